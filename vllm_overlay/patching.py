@@ -108,12 +108,15 @@ class PatchRegistry:
                 logger.warning("vllm-overlay: patch %s (%s) not applied: %s",
                                patch.id, patch.symbol, state.detail)
                 return
-            own = vars(owner) if isinstance(owner, type) else None
-            if own is not None and name in own:
-                state.original, state.owned = own[name], True
+            if isinstance(owner, type):
+                # Replaced only if the class itself defines it; an inherited
+                # attribute is shadowed (added), and undo deletes ours.
+                state.owned = state.replaced = name in vars(owner)
+                state.original = (vars(owner)[name] if state.owned
+                                  else getattr(owner, name, _MISSING))
             else:
                 state.original = getattr(owner, name, _MISSING)
-            state.replaced = state.original is not _MISSING
+                state.owned = state.replaced = state.original is not _MISSING
             setattr(owner, name, patch.new)
             state.status = "applied"
             state.detail = "replaced" if state.replaced else "added"
@@ -148,7 +151,7 @@ class PatchRegistry:
             owner = sys.modules[patch.module]
             for part in path:
                 owner = getattr(owner, part)
-            if state.owned or (state.replaced and not isinstance(owner, type)):
+            if state.owned:
                 setattr(owner, name, state.original)
             else:
                 delattr(owner, name)
