@@ -1,0 +1,54 @@
+"""Shared runner for the end-to-end tests: one vLLM run per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).parent
+
+
+class LLMRun:
+    def __init__(self, config: dict, env: dict[str, str]) -> None:
+        full_env = {**os.environ, **env}
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "run_llm.py"), json.dumps(config)],
+            env=full_env, capture_output=True, text=True, timeout=600)
+        self.log = proc.stdout + proc.stderr
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT:")]
+        if proc.returncode != 0 or not lines:
+            raise AssertionError(f"vLLM run {config} {env} failed "
+                                 f"(rc={proc.returncode}):\n{self.log[-6000:]}")
+        result = json.loads(lines[-1][len("RESULT:"):])
+        self.passes = result["passes"]
+        self.kv = result["kv"]
+
+    def tokens(self, pass_index: int = 0) -> list[list[int]]:
+        return [p["tokens"] for p in self.passes[pass_index]]
+
+    def logprobs(self, pass_index: int = 0) -> list[list[float]]:
+        return [p["logprobs"] for p in self.passes[pass_index]]
+
+    def layout_log_lines(self) -> list[str]:
+        return [l for l in self.log.splitlines() if "KV cache layout:" in l]
+
+
+_cache: dict[str, LLMRun] = {}
+
+
+@pytest.fixture(scope="session")
+def llm_run():
+    """llm_run(config, **env) -> LLMRun, memoized for the session."""
+
+    def run(config: dict, **env: str) -> LLMRun:
+        key = json.dumps([config, env], sort_keys=True)
+        if key not in _cache:
+            _cache[key] = LLMRun(config, env)
+        return _cache[key]
+
+    return run
