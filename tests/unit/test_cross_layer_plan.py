@@ -1,0 +1,166 @@
+"""plan_cross_layer_kv_cache: each condition, and the reason when one fails.
+
+Real vLLM config classes and backends; only the runner and the connector are
+stand-ins (the end-to-end tests run the real ones).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_overlay.cross_layer import (allocate_cross_layer_kv_cache,
+                                      plan_cross_layer_kv_cache)
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+@pytest.fixture
+def connector(monkeypatch):
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    agent = types.SimpleNamespace(prefer_cross_layer_blocks=True)
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", agent)
+    return agent
+
+
+def make_case(spec=None, backend=None, groups=1, layers=LAYERS,
+              num_blocks=6, sizes=None):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec,
+                                            KVCacheConfig, KVCacheGroupSpec,
+                                            KVCacheTensor)
+
+    spec = spec or FullAttentionSpec(block_size=16, num_kv_heads=2,
+                                     head_size=32, dtype=torch.float32)
+    backend = backend or CPUAttentionBackend
+    sizes = sizes or [spec.page_size_bytes * num_blocks] * len(layers)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=s, shared_by=[n])
+                          for s, n in zip(sizes, layers)],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)
+                         for _ in range(groups)])
+    group = types.SimpleNamespace(kv_cache_spec=spec, backend=backend)
+    runner = types.SimpleNamespace(
+        attn_groups=[[group]], runner_only_attn_layers=set(),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"))
+    return runner, config
+
+
+def test_all_conditions_met_gives_a_layout(overlay, connector):
+    runner, config = make_case()
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert plan.enabled, plan.reason
+    layout = plan.layout
+    assert layout.shape == (6, 4, 2, 2, 16, 32)
+    assert layout.layer_names == tuple(LAYERS)
+    assert layout.block_bytes == 4 * 2 * 2 * 16 * 32 * 4
+    assert layout.layer_offsets == tuple(i * 2 * 2 * 16 * 32 * 4
+                                         for i in range(4))
+    assert layout.kv_offsets == (0, 2 * 16 * 32 * 4)
+    # Same bytes as stock would allocate, in one buffer.
+    buffer, kv_caches = allocate_cross_layer_kv_cache(plan, config, "cpu")
+    assert buffer.untyped_storage().nbytes() == sum(
+        t.size for t in config.kv_cache_tensors)
+    assert set(kv_caches) == set(LAYERS)
+    assert all(v.shape == (2, 6, 2, 16, 32) for v in kv_caches.values())
+
+
+def test_kernel_blocks_smaller_than_cache_blocks(overlay, connector):
+    runner, config = make_case()
+    plan = plan_cross_layer_kv_cache(runner, config, [8])
+    assert plan.enabled, plan.reason
+    assert plan.layout.num_blocks == 12 and plan.layout.blocks_per_cache_block == 2
+    assert plan.layout.cache_block_bytes == 2 * plan.layout.block_bytes
+
+
+def test_no_connector(overlay, monkeypatch):
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    runner, config = make_case()
+    assert plan_cross_layer_kv_cache(runner, config, [16]).reason == \
+        "no KV connector is configured"
+
+
+def test_connector_not_opted_in(overlay, connector):
+    connector.prefer_cross_layer_blocks = False
+    runner, config = make_case()
+    assert "does not prefer cross-layer blocks" in plan_cross_layer_kv_cache(
+        runner, config, [16]).reason
+
+
+def test_two_kv_cache_groups(overlay, connector):
+    runner, config = make_case(groups=2)
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert not plan.enabled and "2 KV cache groups" in plan.reason
+
+
+def test_two_attention_backends(overlay, connector):
+    runner, config = make_case()
+    runner.attn_groups[0].append(runner.attn_groups[0][0])
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert not plan.enabled and "more than one attention backend" in plan.reason
+
+
+def test_not_plain_attention(overlay, connector):
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2,
+                                     head_size=32, dtype=torch.float32,
+                                     attention_chunk_size=64)
+    runner, config = make_case(spec=spec)
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert not plan.enabled and "ChunkedLocalAttentionSpec" in plan.reason
+
+
+def test_unequal_tensors(overlay, connector):
+    runner, config = make_case(sizes=[16384 * 6] * 3 + [16384 * 5])
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert not plan.enabled and "differ in size" in plan.reason
+
+
+def test_backend_without_support(overlay, connector):
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+
+    runner, config = make_case(backend=FlexAttentionBackend)
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert not plan.enabled
+    assert "FLEX_ATTENTION has no stride order with a layers dimension" in \
+        plan.reason
+
+
+def test_backend_with_unpatched_signature_is_not_a_crash(overlay, connector):
+    class OldStyle:  # a 0.11.2-style override without the keyword
+        @staticmethod
+        def get_name():
+            return "OLD"
+
+        @staticmethod
+        def get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                               head_size, cache_dtype_str="auto"):
+            return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+        @staticmethod
+        def get_kv_cache_stride_order():
+            return (0, 1, 2, 3, 4)
+
+    runner, config = make_case(backend=OldStyle)
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert not plan.enabled and "OLD has no stride order" in plan.reason
+
+
+def test_order_that_does_not_keep_blocks_outermost(overlay, connector):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    class LayersOuter(CPUAttentionBackend):
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            return (0, 1, 2, 3, 4, 5)  # [layers, 2, blocks, ...]
+
+    runner, config = make_case(backend=LayersOuter)
+    plan = plan_cross_layer_kv_cache(runner, config, [16])
+    assert not plan.enabled and "'blocks' must be outermost" in plan.reason
