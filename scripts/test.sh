@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test command: builds the CPU harness if needed, then runs the suites.
+#   bash scripts/test.sh [tox args, e.g. -e unit]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bash "$root/scripts/setup_env.sh"
+cd "$root"
+if (($#)); then
+  exec "${OVERLAY_VENV:-$root/.venv}/bin/tox" "$@"
+fi
+exec "${OVERLAY_VENV:-$root/.venv}/bin/tox" -e unit,e2e
