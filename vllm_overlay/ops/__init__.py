@@ -1,0 +1,1 @@
+"""Block transfer ops (no vLLM imports): Triton kernels, torch reference."""

@@ -1,0 +1,46 @@
+"""Triton jit code only: copy KV blocks between a paged cache and a packed
+buffer.  Wrappers (checks, launch) live in ``block_copy.py``.
+
+A cache block is a list of *segments*: contiguous runs of words at
+``seg_src[s] + block_id * seg_stride[s]`` (words, relative to ``cache_ptr``).
+The packed buffer holds block i at ``i * packed_block_words``, segment s at
+``seg_dst[s]`` inside it.  One program copies CHUNK words of one segment of
+one block; the grid is (blocks, segments, chunks per longest segment).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_blocks_kernel(
+    cache_ptr,  # reference pointer for all segment offsets
+    packed_ptr,
+    block_ids_ptr,  # int64 [num_blocks_to_copy]
+    seg_src_ptr,  # int64 [num_segments]: word offset of block 0
+    seg_stride_ptr,  # int64 [num_segments]: words between blocks
+    seg_dst_ptr,  # int64 [num_segments]: word offset inside a packed block
+    seg_len_ptr,  # int64 [num_segments]: words per block
+    packed_block_words,
+    TO_PACKED: tl.constexpr,  # True: gather (cache -> packed); else scatter
+    CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    c = tl.program_id(2)
+    seg_len = tl.load(seg_len_ptr + s)
+    start = c.to(tl.int64) * CHUNK
+    if start < seg_len:
+        block = tl.load(block_ids_ptr + i)
+        cache_off = (tl.load(seg_src_ptr + s)
+                     + block * tl.load(seg_stride_ptr + s) + start)
+        packed_off = (i.to(tl.int64) * packed_block_words
+                      + tl.load(seg_dst_ptr + s) + start)
+        offs = tl.arange(0, CHUNK)
+        mask = offs < seg_len - start
+        if TO_PACKED:
+            words = tl.load(cache_ptr + cache_off + offs, mask=mask)
+            tl.store(packed_ptr + packed_off + offs, words, mask=mask)
+        else:
+            words = tl.load(packed_ptr + packed_off + offs, mask=mask)
+            tl.store(cache_ptr + cache_off + offs, words, mask=mask)
