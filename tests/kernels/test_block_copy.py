@@ -11,9 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_overlay.ops.block_copy import (BlockTable, dma_copy, gather,
-                                         reference_gather, reference_scatter,
-                                         scatter)
+from vllm_overlay.ops.block_copy import BlockTable, dma_copy, gather, scatter
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -75,7 +73,7 @@ def test_gather_matches_reference_and_spec(layout, dtype, block_size, method,
     assert table.runs_per_block == expected_runs
     ids = random_ids(num_blocks, n, seed=1)
     ref = torch.empty(n, table.block_bytes, dtype=torch.uint8, device=device)
-    reference_gather(table, ids, ref)
+    gather(table, ids, ref, method="reference")
     want = torch.stack([as_bytes(spec(int(b))) for b in ids])
     assert torch.equal(ref.cpu(), want)
     out = torch.full_like(ref, 0xAB)
@@ -100,7 +98,7 @@ def test_scatter_round_trip_and_untouched_blocks(layout, dtype, method,
     packed = torch.empty(n, table.block_bytes, dtype=torch.uint8,
                          device=device)
     gather(table, ids, packed, method=method)
-    reference_scatter(table, ids, torch.zeros_like(packed))
+    scatter(table, ids, torch.zeros_like(packed), method="reference")
     assert all(not as_bytes(spec(b)).any() for b in ids.tolist())
     scatter(table, ids, packed, method=method)
     for b in ids.tolist():
@@ -130,6 +128,12 @@ def test_bad_input_is_rejected(method):
         gather(table, torch.tensor([0, 5]), packed, method=method)
     with pytest.raises(ValueError, match="packed buffer"):
         gather(table, torch.tensor([0]), packed, method=method)
+    with pytest.raises(ValueError, match="duplicate"):
+        gather(table, torch.tensor([0, 1]), packed, method=method,
+               packed_ids=torch.tensor([1, 1]))
+    with pytest.raises(IndexError, match=r"packed ids must be in \[0, 2\)"):
+        gather(table, torch.tensor([0, 1]), packed, method=method,
+               packed_ids=torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="int64"):
         gather(table, torch.tensor([0, 1], dtype=torch.int32), packed,
                method=method)
@@ -172,3 +176,52 @@ def test_gather_into_pinned_host_memory():
                                           for b in ids]))
     scatter(table, ids.cuda(), host, method="triton")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["triton", "dma", "reference"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@torch.inference_mode()
+def test_packed_ids_place_blocks_anywhere_in_a_host_pool(layout, method,
+                                                         device):
+    """Offloading writes device blocks to arbitrary host pool rows."""
+    num_blocks, rows = 10, 13
+    tensors, blocks_dim, spec = random_cache(layout, num_blocks, 16,
+                                             torch.float16, device, seed=7)
+    table = BlockTable.from_tensors(tensors, blocks_dim)
+    pool = torch.zeros(rows, table.block_bytes, dtype=torch.uint8,
+                       device=device)
+    ids = torch.tensor([4, 5, 6, 0, 9])
+    rows_ids = torch.tensor([7, 8, 9, 2, 12])  # partly consecutive
+    gather(table, ids, pool, method=method, packed_ids=rows_ids)
+    for b, r in zip(ids.tolist(), rows_ids.tolist()):
+        assert torch.equal(pool[r].cpu(), as_bytes(spec(b)))
+    assert not pool[[0, 1, 3, 4, 5, 6, 10, 11]].any()
+    # ...and back into other device blocks.
+    before = {b: as_bytes(spec(b)) for b in range(num_blocks)}
+    dst = torch.tensor([1, 2, 3, 8, 7])
+    scatter(table, dst, pool, method=method, packed_ids=rows_ids)
+    for b, src in zip(dst.tolist(), ids.tolist()):
+        assert torch.equal(as_bytes(spec(b)), before[src])
+
+
+def test_coarsen_groups_kernel_blocks_into_cache_blocks():
+    for layout in LAYOUTS:
+        tensors, blocks_dim, spec = random_cache(layout, 12, 16,
+                                                 torch.float16, "cpu")
+        fine = BlockTable.from_tensors(tensors, blocks_dim)
+        coarse = fine.coarsen(4)
+        assert coarse.num_blocks == 3
+        assert coarse.block_bytes == 4 * fine.block_bytes
+        packed = torch.empty(1, coarse.block_bytes, dtype=torch.uint8)
+        gather(coarse, torch.tensor([2]), packed, method="reference")
+        fine_packed = torch.empty(4, fine.block_bytes, dtype=torch.uint8)
+        gather(fine, torch.arange(8, 12), fine_packed, method="reference")
+        # Same bytes; for per-layer tables the runs are grouped per segment.
+        assert torch.equal(packed.flatten().sort().values,
+                           fine_packed.flatten().sort().values)
+        if layout == "cross_layer":
+            assert torch.equal(packed.flatten(), fine_packed.flatten())
+            assert coarse.runs_per_block == 1
+    with pytest.raises(ValueError, match="not a multiple"):
+        fine.coarsen(5)

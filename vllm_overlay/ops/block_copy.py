@@ -99,22 +99,62 @@ class BlockTable:
     def runs_per_block(self) -> int:
         return len(self.segments)
 
-    def check(self, block_ids: torch.Tensor, packed: torch.Tensor,
-              unique: bool) -> None:
-        if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
-            raise ValueError("block_ids must be a 1-D int64 tensor")
-        n = block_ids.numel()
-        if not packed.is_contiguous() or packed.nbytes != n * self.block_bytes:
-            raise ValueError(f"packed buffer must be contiguous with "
-                             f"{n} x {self.block_bytes} B, got "
+    def coarsen(self, factor: int) -> "BlockTable":
+        """The same memory seen in blocks of ``factor`` consecutive blocks
+        (a cache block made of several kernel blocks)."""
+        if factor == 1:
+            return self
+        if self.num_blocks % factor:
+            raise ValueError(f"{self.num_blocks} blocks are not a multiple "
+                             f"of {factor}")
+        segments = []
+        for seg in self.segments:
+            if seg.stride == seg.length:  # dense: one longer run
+                segments.append(dataclasses.replace(
+                    seg, stride=seg.stride * factor,
+                    length=seg.length * factor))
+            else:
+                segments += [dataclasses.replace(
+                    seg, offset=seg.offset + j * seg.stride,
+                    stride=seg.stride * factor) for j in range(factor)]
+        return BlockTable(tuple(segments), self.num_blocks // factor,
+                          self.device)
+
+    def packed_rows(self, packed: torch.Tensor) -> int:
+        if not packed.is_contiguous() or packed.nbytes % self.block_bytes:
+            raise ValueError(f"packed buffer must be contiguous rows of "
+                             f"{self.block_bytes} B, got "
                              f"{tuple(packed.shape)} {packed.dtype}")
+        return packed.nbytes // self.block_bytes
+
+    def check(self, block_ids: torch.Tensor, packed: torch.Tensor,
+              packed_ids: torch.Tensor | None, to_packed: bool
+              ) -> torch.Tensor:
+        """Validate a transfer; returns the packed ids (default 0..n-1)."""
+        for name, ids in (("block_ids", block_ids), ("packed_ids", packed_ids)):
+            if ids is not None and (ids.dtype != torch.int64 or ids.dim() != 1):
+                raise ValueError(f"{name} must be a 1-D int64 tensor")
+        n = block_ids.numel()
+        rows = self.packed_rows(packed)
+        if packed_ids is None:
+            if rows != n:
+                raise ValueError(f"packed buffer must be contiguous with "
+                                 f"{n} x {self.block_bytes} B, got {rows} rows")
+            packed_ids = torch.arange(n, dtype=torch.int64)
+        elif packed_ids.numel() != n:
+            raise ValueError(f"{n} block ids but {packed_ids.numel()} packed "
+                             "ids")
         if n:
-            lo, hi = int(block_ids.min()), int(block_ids.max())
-            if lo < 0 or hi >= self.num_blocks:
-                raise IndexError(f"block ids must be in [0, {self.num_blocks})"
-                                 f", got [{lo}, {hi}]")
-            if unique and block_ids.unique().numel() != n:
+            for name, ids, limit in (("block", block_ids, self.num_blocks),
+                                     ("packed", packed_ids, rows)):
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= limit:
+                    raise IndexError(f"{name} ids must be in [0, {limit}), "
+                                     f"got [{lo}, {hi}]")
+            dst = packed_ids if to_packed else block_ids
+            if dst.unique().numel() != n:
                 raise ValueError("duplicate destination block ids")
+        return packed_ids
 
 
 def _storage_as(storage: torch.UntypedStorage, dtype: torch.dtype,
@@ -137,56 +177,60 @@ def _packed_bytes(packed: torch.Tensor, n: int, block_bytes: int
 
 
 # -- reference (plain torch) ---------------------------------------------------
-def reference_gather(table: BlockTable, block_ids: torch.Tensor,
-                     packed: torch.Tensor) -> None:
-    table.check(block_ids, packed, unique=False)
-    out, start = _packed_bytes(packed, block_ids.numel(), table.block_bytes), 0
+def reference_copy(table: BlockTable, block_ids: torch.Tensor,
+                   packed: torch.Tensor, to_packed: bool,
+                   packed_ids: torch.Tensor | None = None) -> int:
+    packed_ids = table.check(block_ids, packed, packed_ids, to_packed)
+    rows = _packed_bytes(packed, table.packed_rows(packed), table.block_bytes)
+    cache_ids = block_ids.to(table.device)
+    row_ids = packed_ids.to(packed.device)
+    start = 0
     for seg in table.segments:
-        out[:, start:start + seg.length] = _runs(table, seg).index_select(
-            0, block_ids.to(table.device))
+        runs, cols = _runs(table, seg), slice(start, start + seg.length)
+        if to_packed:
+            rows[row_ids, cols] = runs.index_select(0, cache_ids).to(
+                packed.device)
+        else:
+            runs.index_copy_(0, cache_ids,
+                             rows[row_ids, cols].to(table.device))
         start += seg.length
-
-
-def reference_scatter(table: BlockTable, block_ids: torch.Tensor,
-                      packed: torch.Tensor) -> None:
-    table.check(block_ids, packed, unique=True)
-    src, start = _packed_bytes(packed, block_ids.numel(), table.block_bytes), 0
-    for seg in table.segments:
-        _runs(table, seg).index_copy_(0, block_ids.to(table.device),
-                                      src[:, start:start + seg.length].to(
-                                          table.device))
-        start += seg.length
+    return len(table.segments)
 
 
 # -- DMA: one copy per contiguous run ---------------------------------------------
-def _merged_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(packed index, first block id, count) for runs of consecutive ids."""
+def _merged_runs(block_ids: list[int], packed_ids: list[int]
+                 ) -> list[tuple[int, int, int]]:
+    """(first packed id, first block id, count) for runs where both ids
+    are consecutive."""
     runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
+    for p, b in zip(packed_ids, block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b and \
+                runs[-1][0] + runs[-1][2] == p:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append((i, b, 1))
+            runs.append((p, b, 1))
     return runs
 
 
 def dma_copy(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
-             to_packed: bool, non_blocking: bool = True) -> int:
+             to_packed: bool, packed_ids: torch.Tensor | None = None,
+             non_blocking: bool = True) -> int:
     """Copy with ``Tensor.copy_`` per run; returns the number of copies.
 
-    A segment whose stride equals its length (a cross-layer buffer) lets a
-    run of consecutive block ids move as one copy."""
-    table.check(block_ids, packed, unique=not to_packed)
-    ids = block_ids.tolist()
-    buf, start, copies = _packed_bytes(packed, len(ids), table.block_bytes), 0, 0
+    With one segment whose stride equals its length (a cross-layer buffer),
+    blocks that are consecutive on both sides move as one copy."""
+    packed_ids = table.check(block_ids, packed, packed_ids, to_packed)
+    ids, pids = block_ids.tolist(), packed_ids.tolist()
+    rows = _packed_bytes(packed, table.packed_rows(packed), table.block_bytes)
+    start, copies = 0, 0
     for seg in table.segments:
         runs = _runs(table, seg)
         merge = seg.stride == seg.length and len(table.segments) == 1
-        spans = _merged_runs(ids) if merge else [(i, b, 1) for i, b in
-                                                 enumerate(ids)]
-        for i, b, count in spans:
+        spans = (_merged_runs(ids, pids) if merge
+                 else [(p, b, 1) for p, b in zip(pids, ids)])
+        for p, b, count in spans:
             cache = runs[b:b + count]
-            host = buf[i:i + count, start:start + seg.length]
+            host = rows[p:p + count, start:start + seg.length]
             if to_packed:
                 host.copy_(cache, non_blocking=non_blocking)
             else:
@@ -210,17 +254,18 @@ def _word_size(table: BlockTable, packed: torch.Tensor,
 
 def triton_copy(table: BlockTable, block_ids: torch.Tensor,
                 packed: torch.Tensor, to_packed: bool,
-                chunk_words: int = 1024) -> None:
+                packed_ids: torch.Tensor | None = None,
+                chunk_words: int = 1024) -> int:
     """One kernel launch moves every run of every block.
 
     On a GPU ``packed`` may be pinned host memory (written over PCIe by the
     kernel, zero copy).  On CPU it runs with ``TRITON_INTERPRET=1``."""
     from vllm_overlay.ops.triton_kernels import copy_blocks_kernel
 
-    table.check(block_ids, packed, unique=not to_packed)
+    packed_ids = table.check(block_ids, packed, packed_ids, to_packed)
     n = block_ids.numel()
     if n == 0:
-        return
+        return 0
     ref = table.segments[0].storage
     word = _word_size(table, packed, ref)
     wdtype = _WORDS[word]
@@ -238,30 +283,30 @@ def triton_copy(table: BlockTable, block_ids: torch.Tensor,
     chunk = min(chunk_words, 1 << (longest - 1).bit_length())
     grid = (n, len(table.segments), triton_cdiv(longest, chunk))
     copy_blocks_kernel[grid](
-        ref_words, packed.view(wdtype), block_ids.to(dev), meta[0], meta[1],
-        meta[2], meta[3], table.block_bytes // word,
-        TO_PACKED=to_packed, CHUNK=chunk)
+        ref_words, packed.view(wdtype), block_ids.to(dev),
+        packed_ids.to(dev), meta[0], meta[1], meta[2], meta[3],
+        table.block_bytes // word, TO_PACKED=to_packed, CHUNK=chunk)
+    return 1
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+COPY_METHODS = {"reference": reference_copy, "dma": dma_copy,
+                "triton": triton_copy}
+
+
 def gather(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
-           method: str = "triton") -> None:
-    """Cache blocks ``block_ids`` -> packed buffer."""
-    _METHODS[method](table, block_ids, packed, True)
+           method: str = "triton", packed_ids: torch.Tensor | None = None
+           ) -> int:
+    """Cache blocks ``block_ids`` -> packed rows ``packed_ids`` (default
+    0..n-1).  Returns the number of copy calls / launches."""
+    return COPY_METHODS[method](table, block_ids, packed, True, packed_ids)
 
 
 def scatter(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
-            method: str = "triton") -> None:
-    """Packed buffer -> cache blocks ``block_ids`` (ids must be unique)."""
-    _METHODS[method](table, block_ids, packed, False)
-
-
-_METHODS = {
-    "reference": lambda t, ids, p, to: (reference_gather if to
-                                        else reference_scatter)(t, ids, p),
-    "dma": lambda t, ids, p, to: dma_copy(t, ids, p, to),
-    "triton": lambda t, ids, p, to: triton_copy(t, ids, p, to),
-}
+            method: str = "triton", packed_ids: torch.Tensor | None = None
+            ) -> int:
+    """Packed rows -> cache blocks ``block_ids`` (which must be unique)."""
+    return COPY_METHODS[method](table, block_ids, packed, False, packed_ids)

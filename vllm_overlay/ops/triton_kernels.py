@@ -3,8 +3,8 @@ buffer.  Wrappers (checks, launch) live in ``block_copy.py``.
 
 A cache block is a list of *segments*: contiguous runs of words at
 ``seg_src[s] + block_id * seg_stride[s]`` (words, relative to ``cache_ptr``).
-The packed buffer holds block i at ``i * packed_block_words``, segment s at
-``seg_dst[s]`` inside it.  One program copies CHUNK words of one segment of
+The packed buffer holds block i at ``packed_ids[i] * packed_block_words``,
+segment s at ``seg_dst[s]`` inside it.  One program copies CHUNK words of one segment of
 one block; the grid is (blocks, segments, chunks per longest segment).
 """
 
@@ -16,7 +16,8 @@ import triton.language as tl
 def copy_blocks_kernel(
     cache_ptr,  # reference pointer for all segment offsets
     packed_ptr,
-    block_ids_ptr,  # int64 [num_blocks_to_copy]
+    block_ids_ptr,  # int64 [num_blocks_to_copy]: cache block ids
+    packed_ids_ptr,  # int64 [num_blocks_to_copy]: packed block positions
     seg_src_ptr,  # int64 [num_segments]: word offset of block 0
     seg_stride_ptr,  # int64 [num_segments]: words between blocks
     seg_dst_ptr,  # int64 [num_segments]: word offset inside a packed block
@@ -34,7 +35,7 @@ def copy_blocks_kernel(
         block = tl.load(block_ids_ptr + i)
         cache_off = (tl.load(seg_src_ptr + s)
                      + block * tl.load(seg_stride_ptr + s) + start)
-        packed_off = (i.to(tl.int64) * packed_block_words
+        packed_off = (tl.load(packed_ids_ptr + i) * packed_block_words
                       + tl.load(seg_dst_ptr + s) + start)
         offs = tl.arange(0, CHUNK)
         mask = offs < seg_len - start
