@@ -1,0 +1,271 @@
+"""Offloading KV blocks to host memory, one copy per block (vLLM adapter).
+
+``OverlayOffloadingConnector`` is vLLM 0.11.2's ``OffloadingConnector``
+(same scheduler side: LRU/ARC host pool, async loads and stores) that
+prefers cross-layer blocks and moves blocks with ``BlockMover``: with the
+cross-layer layout a block is one contiguous run, so one copy per block
+(consecutive blocks merge into one) instead of 2 x num_layers.  Without it
+(another connector in front, a non-uniform model, a backend without support)
+the same handler moves the per-layer runs, with one Triton launch per
+transfer on CUDA.
+
+Unlike stock 0.11.2 it also runs on the CPU platform, pairs sub-blocks when
+a device prefix hit is not aligned to the offloaded block size, and handles a
+kernel block size smaller than the cache block size.
+
+``kv_connector_extra_config``:
+  ``num_cpu_blocks`` (int) or ``cpu_bytes`` (int): host pool size, exactly one;
+  ``block_size`` (tokens per offloaded block, a multiple of the cache block
+  size; default the cache block size); ``eviction_policy`` (lru | arc);
+  ``transfer_method`` (auto | dma | triton).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import \
+    KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector, OffloadingConnectorScheduler,
+    OffloadingConnectorWorker)
+from vllm.v1.kv_offload.cpu import CPUOffloadingSpec
+from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from vllm.v1.kv_offload.spec import OffloadingSpec
+from vllm.v1.kv_offload.worker.worker import OffloadingHandler
+
+from vllm_overlay.offload.mapping import pair_sub_blocks
+from vllm_overlay.offload.mover import METHODS, BlockMover, TransferStats
+from vllm_overlay.ops.block_copy import BlockTable
+
+logger = logging.getLogger("vllm.overlay")
+
+KEYS = {"num_cpu_blocks", "cpu_bytes", "block_size", "eviction_policy",
+        "transfer_method", "spec_name", "spec_module_path"}
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"kv_connector_extra_config['{name}'] must be a "
+                         f"positive integer, got {value!r}")
+    return value
+
+
+def kv_bytes_per_token(vllm_config) -> int:
+    """KV bytes one token takes on this rank, all its layers."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    dtype = (model.dtype if cache.cache_dtype == "auto"
+             else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype])
+    per_layer = (model.get_head_size()
+                 * (1 if model.use_mla else 2 * model.get_num_kv_heads(parallel))
+                 * torch.empty((), dtype=dtype).element_size())
+    return per_layer * model.get_num_layers(parallel)
+
+
+class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
+    """CPUOffloadingSpec with validated options, a host size in bytes, and
+    handlers that work on CUDA and CPU, per-layer or cross-layer."""
+
+    def __init__(self, vllm_config) -> None:
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config
+                     or {})
+        unknown = set(extra) - KEYS
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys "
+                             f"{sorted(unknown)}; known: {sorted(KEYS)}")
+        gpu_block = vllm_config.cache_config.block_size
+        block_size = _positive_int("block_size",
+                                   extra.get("block_size", gpu_block))
+        if block_size % gpu_block:
+            raise ValueError(f"offloaded block_size {block_size} must be a "
+                             f"multiple of the KV cache block size {gpu_block}")
+        if ("num_cpu_blocks" in extra) == ("cpu_bytes" in extra):
+            raise ValueError("set exactly one of num_cpu_blocks and cpu_bytes "
+                             "in kv_connector_extra_config")
+        if "cpu_bytes" in extra:
+            block_bytes = kv_bytes_per_token(vllm_config) * block_size
+            cpu_bytes = _positive_int("cpu_bytes", extra.pop("cpu_bytes"))
+            if cpu_bytes < block_bytes:
+                raise ValueError(f"cpu_bytes={cpu_bytes} is less than one "
+                                 f"offloaded block ({block_bytes} B)")
+            extra["num_cpu_blocks"] = cpu_bytes // block_bytes
+        _positive_int("num_cpu_blocks", extra["num_cpu_blocks"])
+        self.transfer_method = extra.pop("transfer_method", "auto")
+        if self.transfer_method not in METHODS:
+            raise ValueError(f"transfer_method {self.transfer_method!r}: "
+                             f"expected one of {', '.join(METHODS)}")
+        if extra.get("eviction_policy", "lru") not in ("lru", "arc"):
+            raise ValueError(f"eviction_policy {extra['eviction_policy']!r}: "
+                             "expected lru or arc")
+        # CPUOffloadingSpec.__init__ would demand num_cpu_blocks in the
+        # config; set its fields from the validated values instead.
+        OffloadingSpec.__init__(self, vllm_config)
+        self.num_cpu_blocks: int = extra["num_cpu_blocks"]
+        self.eviction_policy: str = extra.get("eviction_policy", "lru")
+        self._manager = None
+        self._handler = None
+        self.factor = self.offloaded_block_size // self.gpu_block_size
+
+    # worker side ---------------------------------------------------------
+    def make_handler(self, table: BlockTable, what: str
+                     ) -> "BlockMoverHandler":
+        handler = BlockMoverHandler(table, self.num_cpu_blocks * self.factor,
+                                    self.factor, self.transfer_method)
+        logger.info("vllm-overlay offloading: %s, %d B per block in %d "
+                    "run(s), host pool %d blocks (%.1f MiB), copies by %s",
+                    what, table.block_bytes, table.runs_per_block,
+                    handler.mover.host.shape[0],
+                    handler.mover.host_bytes / 2**20, handler.mover.method)
+        return handler
+
+    def get_handlers(self, kv_caches: dict[str, torch.Tensor]):
+        """Per-layer caches (stock layout)."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import \
+            AttentionLayerBase
+
+        from vllm_overlay.cross_layer import name_kv_cache_dims
+
+        layers = get_layers_from_vllm_config(
+            self.vllm_config, AttentionLayerBase, list(kv_caches))
+        tensors, seen, blocks_dims, kernel_sizes = [], set(), set(), set()
+        for name, tensor in kv_caches.items():
+            key = (tensor.data_ptr(), tuple(tensor.stride()))
+            if key in seen:  # KV-sharing layers alias one tensor
+                continue
+            seen.add(key)
+            backend = layers[name].get_attn_backend()
+            dims = name_kv_cache_dims(backend, 97, 16, 2, 64, "auto")
+            blocks_dims.add(dims.index("blocks"))
+            kernel_sizes.add(tensor.shape[dims.index("tokens")])
+            tensors.append(tensor)
+        if len(blocks_dims) != 1 or len(kernel_sizes) != 1:
+            raise ValueError("per-layer KV caches differ in layout; cannot "
+                             "offload them with one handler")
+        table = BlockTable.from_tensors(tensors, blocks_dims.pop())
+        table = table.coarsen(self.gpu_block_size // kernel_sizes.pop())
+        handler = self.make_handler(table, f"{len(tensors)} per-layer caches")
+        yield GPULoadStoreSpec, CPULoadStoreSpec, handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, handler
+
+    def get_cross_layer_handlers(self, kv_cache: torch.Tensor, layout):
+        table = BlockTable.from_tensors([kv_cache], 0).coarsen(
+            layout.blocks_per_cache_block)
+        handler = self.make_handler(table, f"cross-layer buffer "
+                                    f"({layout.num_layers} layers)")
+        yield GPULoadStoreSpec, CPULoadStoreSpec, handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, handler
+
+
+class BlockMoverHandler(OffloadingHandler):
+    """vLLM's OffloadingHandler over a BlockMover (device <-> host pool)."""
+
+    def __init__(self, table: BlockTable, num_host_blocks: int, factor: int,
+                 method: str) -> None:
+        self.mover = BlockMover(table, num_host_blocks, method)
+        self.factor = factor
+        self.totals = {"store": TransferStats(), "load": TransferStats()}
+
+    def transfer_async(self, job_id: int, spec) -> bool:
+        src, dst = spec
+        to_host = isinstance(src, GPULoadStoreSpec)
+        if to_host:
+            device, host = pair_sub_blocks(src.block_ids, 1, dst.block_ids,
+                                           self.factor)
+        else:
+            host, device = pair_sub_blocks(src.block_ids, self.factor,
+                                           dst.block_ids, 1)
+        self.mover.submit(job_id, torch.from_numpy(np.ascontiguousarray(device)),
+                          torch.from_numpy(np.ascontiguousarray(host)), to_host)
+        return True
+
+    def get_finished(self):
+        return [(job_id, True) for job_id in self.mover.poll()]
+
+    def take_stats(self) -> dict[str, dict]:
+        stats = self.mover.take_stats()
+        for direction, value in stats.items():
+            self.totals[direction].add(value)
+        return {d: s.as_dict() for d, s in stats.items() if s.jobs}
+
+
+@dataclasses.dataclass
+class OffloadStats(KVConnectorStats):
+    """Blocks, bytes and copy calls moved per direction, and GB/s."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for direction, values in other.data.items():
+            mine = self.data.setdefault(direction, {})
+            for key, value in values.items():
+                if key != "gb_per_s":
+                    mine[key] = mine.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for direction, v in self.data.items():
+            out[f"{direction}_blocks"] = v.get("blocks", 0)
+            out[f"{direction}_MiB"] = round(v.get("bytes", 0) / 2**20, 2)
+            out[f"{direction}_copy_calls"] = v.get("copy_calls", 0)
+            seconds = v.get("seconds", 0.0)
+            out[f"{direction}_GB_per_s"] = round(
+                v.get("bytes", 0) / seconds / 1e9, 2) if seconds else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(v.get("jobs") for v in self.data.values())
+
+
+class _Worker(OffloadingConnectorWorker):
+    def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
+        for src_cls, dst_cls, handler in self.spec.get_cross_layer_handlers(
+                kv_cache, layout):
+            self.worker.register_handler(src_cls, dst_cls, handler)
+
+    @property
+    def handler(self) -> BlockMoverHandler | None:
+        return next(iter(self.worker.handlers), None)
+
+
+class OverlayOffloadingConnector(OffloadingConnector):
+    prefer_cross_layer_blocks = True
+
+    def __init__(self, vllm_config, role: KVConnectorRole,
+                 kv_cache_config=None) -> None:
+        # Stock __init__ builds its spec from the factory; ours is fixed.
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        spec = OverlayCPUOffloadingSpec(vllm_config)
+        self.connector_scheduler = None
+        self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = OffloadingConnectorScheduler(spec)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = _Worker(spec)
+
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend,
+                                       layout) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_cross_layers_kv_cache(kv_cache, layout)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.connector_worker is None or self.connector_worker.handler is None:
+            return None
+        data = self.connector_worker.handler.take_stats()
+        return OffloadStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None
+                                 ) -> KVConnectorStats | None:
+        return OffloadStats(data=data or {})
