@@ -14,19 +14,20 @@ HERE = pathlib.Path(__file__).parent
 
 
 class LLMRun:
-    def __init__(self, config: dict, env: dict[str, str]) -> None:
+    def __init__(self, config: dict, env: dict[str, str],
+                 script: str = "run_llm.py") -> None:
         full_env = {**os.environ, **env}
         proc = subprocess.run(
-            [sys.executable, str(HERE / "run_llm.py"), json.dumps(config)],
+            [sys.executable, str(HERE / script), json.dumps(config)],
             env=full_env, capture_output=True, text=True, timeout=600)
         self.log = proc.stdout + proc.stderr
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT:")]
         if proc.returncode != 0 or not lines:
             raise AssertionError(f"vLLM run {config} {env} failed "
                                  f"(rc={proc.returncode}):\n{self.log[-6000:]}")
-        result = json.loads(lines[-1][len("RESULT:"):])
-        self.passes = result["passes"]
-        self.kv = result["kv"]
+        self.result = json.loads(lines[-1][len("RESULT:"):])
+        self.passes = self.result["passes"]
+        self.kv = self.result.get("kv")
 
     def tokens(self, pass_index: int = 0) -> list[list[int]]:
         return [p["tokens"] for p in self.passes[pass_index]]
@@ -45,10 +46,20 @@ _cache: dict[str, LLMRun] = {}
 def llm_run():
     """llm_run(config, **env) -> LLMRun, memoized for the session."""
 
+    return _memoized("run_llm.py")
+
+
+@pytest.fixture(scope="session")
+def offload_run():
+    """offload_run(config, **env) -> LLMRun of run_offload.py."""
+    return _memoized("run_offload.py")
+
+
+def _memoized(script: str):
     def run(config: dict, **env: str) -> LLMRun:
-        key = json.dumps([config, env], sort_keys=True)
+        key = json.dumps([script, config, env], sort_keys=True)
         if key not in _cache:
-            _cache[key] = LLMRun(config, env)
+            _cache[key] = LLMRun(config, env, script)
         return _cache[key]
 
     return run

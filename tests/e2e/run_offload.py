@@ -1,0 +1,98 @@
+"""Offload-and-reload scenario on real vLLM (CPU build); prints JSON.
+
+    python run_offload.py '{"connector": "offload", ...}'
+
+Config: ``connector`` ("offload" | null for stock), ``block_factor``
+(offloaded block = N cache blocks), ``corrupt`` (zero the host pool before
+the reload), ``unaligned`` (before the reload, compute the first cache block
+again so the device prefix hit is not aligned to the offloaded block),
+``method`` (transfer_method).
+
+Steps: generate the prompts; flush; reset the prefix cache (device KV is
+gone, the host pool keeps the offloaded blocks); optionally corrupt or
+prepare an unaligned hit; generate the same prompts again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from vllm_overlay.demo import cpu_defaults, tiny_model_path
+
+WORDS = ("key value block cache layer token prefix north south river stone "
+         "memory page copy seven").split()
+
+
+def prompt(n_words: int, shift: int) -> str:
+    return " ".join(WORDS[(i * 7 + shift) % len(WORDS)] for i in range(n_words))
+
+
+def handler_info(worker, corrupt: bool = False) -> dict:
+    from vllm.distributed.kv_transfer import (get_kv_transfer_group,
+                                              has_kv_transfer_group)
+
+    if not has_kv_transfer_group():
+        return {}
+    handler = get_kv_transfer_group().connector_worker.handler
+    handler.take_stats()
+    if corrupt:
+        handler.mover.host.zero_()
+    return {"totals": {d: s.as_dict() for d, s in handler.totals.items()},
+            "runs_per_block": handler.mover.table.runs_per_block,
+            "method": handler.mover.method,
+            "cross_layer": worker.model_runner.cross_layers_kv_cache is not None}
+
+
+def main(config: dict) -> dict:
+    cpu_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv_transfer_config = None
+    if config.get("connector") == "offload":
+        extra = {"num_cpu_blocks": 16,
+                 "block_size": 128 * config.get("block_factor", 1)}
+        if "method" in config:
+            extra["transfer_method"] = config["method"]
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="OverlayOffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config=extra)
+    llm = LLM(model=tiny_model_path(), dtype=config.get("dtype", "float32"),
+              max_model_len=1024, num_gpu_blocks_override=48,
+              enforce_eager=True, seed=0,
+              kv_transfer_config=kv_transfer_config)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    prompts = [prompt(620, 0), prompt(330, 3)]
+
+    def run() -> list[dict]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [{"prompt_tokens": len(o.prompt_token_ids),
+                 "tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [lp[t].logprob for lp, t in zip(
+                     o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                 "cached_tokens": o.num_cached_tokens or 0} for o in outs]
+
+    first = run()
+    # Stores finish asynchronously; one more step lets them complete and
+    # frees the blocks, so the reset really empties the device cache.
+    llm.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.reset_prefix_cache()
+    after_first = llm.collective_rpc(handler_info,
+                                     args=(config.get("corrupt", False),))[0]
+    if config.get("unaligned"):
+        # Recompute (and cache on the device) only the first cache block.
+        tokenizer = llm.get_tokenizer()
+        ids = tokenizer(prompts[0])["input_ids"][:130]
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+    second = run()
+    info = llm.collective_rpc(handler_info)[0]
+    return {"passes": [first, second], "after_first": after_first, **info}
+
+
+if __name__ == "__main__":
+    print("RESULT:" + json.dumps(main(json.loads(sys.argv[1]))))

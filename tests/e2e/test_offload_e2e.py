@@ -1,0 +1,83 @@
+"""Offload to host memory and reload, end to end on real vLLM 0.11.2 (CPU).
+
+The prompts' blocks are stored to the host pool, the device prefix cache is
+reset, and the same prompts run again: the blocks come back from the host
+(the connector's stats say how many) and the tokens and logprobs equal stock
+vLLM, which recomputes them.
+"""
+
+from __future__ import annotations
+
+STOCK = {"VLLM_OVERLAY_DISABLE": "1"}
+BLOCK = 128  # CPU default block size
+
+
+def loaded_tokens(run) -> int:
+    return sum(p["cached_tokens"] for p in run.passes[1])
+
+
+def assert_same_outputs(run, reference) -> None:
+    for p in range(2):
+        assert [x["tokens"] for x in run.passes[p]] == \
+            [x["tokens"] for x in reference.passes[p]]
+        assert [x["logprobs"] for x in run.passes[p]] == \
+            [x["logprobs"] for x in reference.passes[p]]
+
+
+def test_reload_from_host_equals_stock(offload_run):
+    stock = offload_run({}, **STOCK)
+    run = offload_run({"connector": "offload"})
+    assert run.result["cross_layer"] and run.result["runs_per_block"] == 1
+    totals = run.result["totals"]
+    # Stores happened in the first pass; the reload came from the host.
+    assert run.result["after_first"]["totals"]["store"]["blocks"] >= 6
+    assert run.result["after_first"]["totals"]["load"]["blocks"] == 0
+    assert totals["load"]["blocks"] * BLOCK == loaded_tokens(run) >= 6 * BLOCK
+    assert totals["load"]["bytes"] == totals["load"]["blocks"] * 262144
+    assert loaded_tokens(stock) == 0  # stock recomputed everything
+    assert_same_outputs(run, stock)
+
+
+def test_corrupted_host_blocks_change_the_output(offload_run):
+    """The reloaded bytes are really used: zero them and the output moves."""
+    stock = offload_run({}, **STOCK)
+    run = offload_run({"connector": "offload", "corrupt": True})
+    assert run.result["totals"]["load"]["blocks"] >= 6
+    assert [x["tokens"] for x in run.passes[0]] == \
+        [x["tokens"] for x in stock.passes[0]]
+    assert [x["logprobs"] for x in run.passes[1]] != \
+        [x["logprobs"] for x in stock.passes[1]]
+
+
+def test_one_copy_per_block_cross_layer_vs_two_per_layer_stock(offload_run):
+    stock = offload_run({}, **STOCK)
+    cross = offload_run({"connector": "offload"})
+    # CL-06 off: CPU_ATTN has no layers dimension, so per-layer caches.
+    per_layer = offload_run({"connector": "offload"},
+                            VLLM_OVERLAY_SKIP_PATCHES="CL-06")
+    assert not per_layer.result["cross_layer"]
+    layers = 4
+    assert per_layer.result["runs_per_block"] == 2 * layers
+    for direction in ("store", "load"):
+        c = cross.result["totals"][direction]
+        p = per_layer.result["totals"][direction]
+        assert c["blocks"] == p["blocks"] > 0
+        assert p["copy_calls"] == 2 * layers * p["blocks"]
+        # One copy per block at most (consecutive blocks merge into one).
+        assert 1 <= c["copy_calls"] <= c["blocks"]
+    assert_same_outputs(per_layer, stock)
+
+
+def test_unaligned_device_hit_loads_the_rest(offload_run):
+    """Offloaded blocks of 2 cache blocks; the device still holds the first
+    cache block, so the load starts in the middle of an offloaded block
+    (stock 0.11.2 asserts here)."""
+    stock = offload_run({"unaligned": True}, **STOCK)
+    run = offload_run({"connector": "offload", "unaligned": True,
+                       "block_factor": 2})
+    first_prompt = run.passes[1][0]
+    assert first_prompt["prompt_tokens"] > 4 * BLOCK
+    # 1 cache block from the device + 3 loaded from 2 offloaded blocks.
+    assert first_prompt["cached_tokens"] == 4 * BLOCK
+    assert run.result["totals"]["load"]["blocks"] == 3 + 2
+    assert_same_outputs(run, stock)
