@@ -6,7 +6,8 @@ Config: ``connector`` ("offload" | null for stock), ``block_factor``
 (offloaded block = N cache blocks), ``corrupt`` (zero the host pool before
 the reload), ``unaligned`` (before the reload, compute the first cache block
 again so the device prefix hit is not aligned to the offloaded block),
-``method`` (transfer_method).
+``method`` (transfer_method), ``multiprocess`` (EngineCore in its own
+process, with vLLM's stat logging on).
 
 Steps: generate the prompts; flush; reset the prefix cache (device KV is
 gone, the host pool keeps the offloaded blocks); optionally corrupt or
@@ -47,7 +48,11 @@ def handler_info(worker, corrupt: bool = False) -> dict:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    multiprocess = config.get("multiprocess", False)
+    if multiprocess:  # vLLM's default; its stat logger needs it
+        os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "0.01")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -63,7 +68,7 @@ def main(config: dict) -> dict:
             kv_connector_extra_config=extra)
     llm = LLM(model=tiny_model_path(), dtype=config.get("dtype", "float32"),
               max_model_len=1024, num_gpu_blocks_override=48,
-              enforce_eager=True, seed=0,
+              enforce_eager=True, seed=0, disable_log_stats=not multiprocess,
               kv_transfer_config=kv_transfer_config)
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     prompts = [prompt(620, 0), prompt(330, 3)]

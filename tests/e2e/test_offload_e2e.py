@@ -81,3 +81,17 @@ def test_unaligned_device_hit_loads_the_rest(offload_run):
     assert first_prompt["cached_tokens"] == 4 * BLOCK
     assert run.result["totals"]["load"]["blocks"] == 3 + 2
     assert_same_outputs(run, stock)
+
+
+def test_transfer_stats_reach_vllm_metrics_log(offload_run):
+    """Default (multiprocess) vLLM with stats logging: the connector's stats
+    travel worker -> scheduler -> front end and are logged."""
+    run = offload_run({"connector": "offload", "multiprocess": True})
+    lines = [l for l in run.log.splitlines() if "KV Transfer metrics:" in l]
+    stores = [l for l in lines if "store_blocks=" in l]
+    loads = [l for l in lines if "load_blocks=" in l]
+    assert stores and loads, lines
+    logged = sum(int(l.split("load_blocks=")[1].split(",")[0]) for l in loads)
+    assert logged == run.result["totals"]["load"]["blocks"] >= 6
+    assert all("load_copy_calls=" in l and "load_GB_per_s=" in l
+               for l in loads)
