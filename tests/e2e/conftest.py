@@ -26,7 +26,7 @@ class LLMRun:
             raise AssertionError(f"vLLM run {config} {env} failed "
                                  f"(rc={proc.returncode}):\n{self.log[-6000:]}")
         self.result = json.loads(lines[-1][len("RESULT:"):])
-        self.passes = self.result["passes"]
+        self.passes = self.result.get("passes")
         self.kv = self.result.get("kv")
 
     def tokens(self, pass_index: int = 0) -> list[list[int]]:
@@ -53,6 +53,12 @@ def llm_run():
 def offload_run():
     """offload_run(config, **env) -> LLMRun of run_offload.py."""
     return _memoized("run_offload.py")
+
+
+@pytest.fixture(scope="session")
+def pp_run():
+    """pp_run(config, **env) -> LLMRun of run_pp.py."""
+    return _memoized("run_pp.py")
 
 
 def _memoized(script: str):

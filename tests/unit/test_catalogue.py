@@ -44,6 +44,11 @@ def test_every_patch_is_named_by_a_test():
         "CL-08": "connector_registered\"] == \"cross-layer\"",
         "CL-09": "assert_cross_layer_active",
         "CL-10": "connector_registered",
+        "PP-01": "--enable-pp-prop-kv-cache\" in parser.format_help()",
+        "PP-02": "AsyncEngineArgs.from_cli_args(args)",
+        "PP-03": "needs --kv-cache-memory-bytes",
+        "PP-04": "Worker.determine_available_memory(worker)",
+        "PP-05": "test_cpu_worker_respects_kv_cache_memory_bytes",
     }
     assert set(behaviour) == {p.id for p in all_patches()}
     for patch_id, needle in behaviour.items():

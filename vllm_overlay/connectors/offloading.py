@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
+from vllm_overlay.model_kv import kv_bytes_per_token
 from vllm_overlay.offload.mapping import pair_sub_blocks
 from vllm_overlay.offload.mover import METHODS, BlockMover, TransferStats
 from vllm_overlay.ops.block_copy import BlockTable
@@ -55,20 +56,6 @@ def _positive_int(name: str, value: Any) -> int:
         raise ValueError(f"kv_connector_extra_config['{name}'] must be a "
                          f"positive integer, got {value!r}")
     return value
-
-
-def kv_bytes_per_token(vllm_config) -> int:
-    """KV bytes one token takes on this rank, all its layers."""
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    dtype = (model.dtype if cache.cache_dtype == "auto"
-             else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype])
-    per_layer = (model.get_head_size()
-                 * (1 if model.use_mla else 2 * model.get_num_kv_heads(parallel))
-                 * torch.empty((), dtype=dtype).element_size())
-    return per_layer * model.get_num_layers(parallel)
 
 
 class OverlayCPUOffloadingSpec(CPUOffloadingSpec):

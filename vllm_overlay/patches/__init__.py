@@ -8,9 +8,10 @@ with their catalogue entries.  ``PATCHES.md`` is generated from them
 from __future__ import annotations
 
 from vllm_overlay import envs
-from vllm_overlay.patches import (patch_abstract, patch_cpu_attn,
+from vllm_overlay.patches import (patch_abstract, patch_arg_utils,
+                                  patch_cpu_attn, patch_cpu_worker,
                                   patch_flash_attn, patch_flashinfer,
-                                  patch_gpu_model_runner,
+                                  patch_gpu_model_runner, patch_gpu_worker,
                                   patch_kv_connector_base, patch_mla_common,
                                   patch_mla_indexer)
 from vllm_overlay.patching import REGISTRY, Patch
@@ -25,6 +26,10 @@ MODULES = (
     patch_cpu_attn,
     patch_kv_connector_base,
     patch_gpu_model_runner,
+    # Pipeline-parallel KV budget (vLLM PR #25164)
+    patch_arg_utils,
+    patch_gpu_worker,
+    patch_cpu_worker,
 )
 
 

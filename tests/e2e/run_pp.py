@@ -1,0 +1,56 @@
+"""Pipeline-parallel KV budget on real vLLM (CPU build); prints JSON.
+
+    python run_pp.py '{"pp": 2, "flag": true, "kv_bytes": 8388608}'
+
+Runs greedy generation and reports, per worker (collective_rpc), its
+pipeline rank, layers, the bytes and blocks of its KV cache.
+``VLLM_PP_LAYER_PARTITION`` comes from the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from vllm_overlay.demo import cpu_defaults, tiny_model_path
+
+
+def worker_kv(worker) -> dict:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    caches = worker.model_runner.kv_caches
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in caches}
+    return {"pp_rank": get_pp_group().rank_in_group, "layers": len(caches),
+            "kv_bytes": sum(storages.values()),
+            "blocks": worker.model_runner.kv_cache_config.num_blocks,
+            "budget": getattr(worker, "vllm_overlay_kv_budget", None)}
+
+
+def main(config: dict) -> dict:
+    cpu_defaults()
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if config.get("pp", 1) > 1:
+        kwargs.update(pipeline_parallel_size=config["pp"],
+                      distributed_executor_backend="mp")
+    if config.get("kv_bytes"):
+        kwargs["kv_cache_memory_bytes"] = config["kv_bytes"]
+    if "flag" in config:
+        kwargs["additional_config"] = {"enable_pp_prop_kv_cache":
+                                       config["flag"]}
+    llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=512,
+              enforce_eager=True, seed=0, **kwargs)
+    prompts = ["The cache of the model", "One two three four five six seven",
+               "key value block " * 40]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
+                        use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "workers": llm.collective_rpc(worker_kv)}
+
+
+if __name__ == "__main__":
+    print("RESULT:" + json.dumps(main(json.loads(sys.argv[1]))))

@@ -1,0 +1,71 @@
+"""vllm/engine/arg_utils.py: the ``--enable-pp-prop-kv-cache`` option.
+
+``EngineArgs.add_cli_args`` gains the flag (``vllm serve`` builds its parser
+after loading plugins, so it appears in ``--help``); ``from_cli_args``
+carries it into ``additional_config["enable_pp_prop_kv_cache"]``, where
+``LLM(additional_config=...)`` users set it directly; ``create_engine_config``
+validates it (budget given, partition matches the model, one block fits on
+every stage) before any worker starts.
+"""
+
+import argparse
+
+from vllm_overlay import pp_kv
+from vllm_overlay.patching import REGISTRY, Patch
+
+MODULE = "vllm.engine.arg_utils"
+
+
+@staticmethod
+def add_cli_args(parser):
+    parser = REGISTRY.original("PP-01")(parser)
+    parser.add_argument(
+        pp_kv.CLI_FLAG, action=argparse.BooleanOptionalAction, default=None,
+        help="(vllm-overlay) Treat --kv-cache-memory-bytes as the KV budget "
+        "of the whole pipeline and give each pipeline stage a share "
+        "proportional to its layers (VLLM_PP_LAYER_PARTITION), so every "
+        "stage fits the same number of blocks. Needs "
+        "--kv-cache-memory-bytes.")
+    return parser
+
+
+@classmethod
+def from_cli_args(cls, args):
+    engine_args = REGISTRY.original("PP-02").__func__(cls, args)
+    flag = getattr(args, pp_kv.FLAG, None)
+    if flag is not None:
+        engine_args.additional_config = {**(engine_args.additional_config or {}),
+                                         pp_kv.FLAG: flag}
+    return engine_args
+
+
+def create_engine_config(self, *args, **kwargs):
+    config = REGISTRY.original("PP-03")(self, *args, **kwargs)
+    pp_kv.validate(config)
+    return config
+
+
+_FEATURE = "pipeline-parallel KV budget"
+_UPSTREAM = ("vllm-project/vllm#25164 (flag version; upstream later merged a "
+             "different fix without the flag)")
+_REMOVAL = ("Drop if upstream adopts the flag; otherwise keep while the base "
+            "is 0.11.2 (upstream's min-shrink fix still leaves the budget "
+            "per rank).")
+
+PATCHES = [
+    Patch(id="PP-01", module=MODULE, target="EngineArgs.add_cli_args",
+          new=add_cli_args, feature=_FEATURE, upstream=_UPSTREAM,
+          removal=_REMOVAL,
+          why="Expose --enable-pp-prop-kv-cache on the vLLM command line."),
+    Patch(id="PP-02", module=MODULE, target="EngineArgs.from_cli_args",
+          new=from_cli_args, feature=_FEATURE, upstream=_UPSTREAM,
+          removal=_REMOVAL,
+          why="EngineArgs has no field for the flag; carry it in "
+          "additional_config, which reaches every worker."),
+    Patch(id="PP-03", module=MODULE, target="EngineArgs.create_engine_config",
+          new=create_engine_config, feature=_FEATURE, upstream=_UPSTREAM,
+          removal=_REMOVAL,
+          why="Reject a bad configuration (no byte budget, a partition that "
+          "does not match the model, less than one block on a stage) in the "
+          "front end, with the values named."),
+]
