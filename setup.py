@@ -19,7 +19,8 @@ setup(
     package_data={"vllm_overlay": ["models/tiny_llama/*"]},
     install_requires=["packaging"],
     extras_require={
-        "test": ["pytest>=8", "tox>=4.20"],
+        "pool": ["redis>=5"],
+        "test": ["pytest>=8", "tox>=4.20", "redis>=5"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_overlay = vllm_overlay:register"],

@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
+from vllm_overlay.kv_tables import cross_layer_table, per_layer_table
 from vllm_overlay.model_kv import kv_bytes_per_token
 from vllm_overlay.offload.mapping import pair_sub_blocks
 from vllm_overlay.offload.mover import METHODS, BlockMover, TransferStats
@@ -116,38 +117,15 @@ class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
 
     def get_handlers(self, kv_caches: dict[str, torch.Tensor]):
         """Per-layer caches (stock layout)."""
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention_layer_base import \
-            AttentionLayerBase
-
-        from vllm_overlay.cross_layer import name_kv_cache_dims
-
-        layers = get_layers_from_vllm_config(
-            self.vllm_config, AttentionLayerBase, list(kv_caches))
-        tensors, seen, blocks_dims, kernel_sizes = [], set(), set(), set()
-        for name, tensor in kv_caches.items():
-            key = (tensor.data_ptr(), tuple(tensor.stride()))
-            if key in seen:  # KV-sharing layers alias one tensor
-                continue
-            seen.add(key)
-            backend = layers[name].get_attn_backend()
-            dims = name_kv_cache_dims(backend, 97, 16, 2, 64, "auto")
-            blocks_dims.add(dims.index("blocks"))
-            kernel_sizes.add(tensor.shape[dims.index("tokens")])
-            tensors.append(tensor)
-        if len(blocks_dims) != 1 or len(kernel_sizes) != 1:
-            raise ValueError("per-layer KV caches differ in layout; cannot "
-                             "offload them with one handler")
-        table = BlockTable.from_tensors(tensors, blocks_dims.pop())
-        table = table.coarsen(self.gpu_block_size // kernel_sizes.pop())
-        handler = self.make_handler(table, f"{len(tensors)} per-layer caches")
+        handler = self.make_handler(per_layer_table(self.vllm_config,
+                                                    kv_caches),
+                                    f"{len(kv_caches)} per-layer caches")
         yield GPULoadStoreSpec, CPULoadStoreSpec, handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handler
 
     def get_cross_layer_handlers(self, kv_cache: torch.Tensor, layout):
-        table = BlockTable.from_tensors([kv_cache], 0).coarsen(
-            layout.blocks_per_cache_block)
-        handler = self.make_handler(table, f"cross-layer buffer "
+        handler = self.make_handler(cross_layer_table(kv_cache, layout),
+                                    f"cross-layer buffer "
                                     f"({layout.num_layers} layers)")
         yield GPULoadStoreSpec, CPULoadStoreSpec, handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handler

@@ -1,0 +1,1 @@
+"""Shared KV pool on Redis/Valkey (no vLLM imports)."""

@@ -1,0 +1,297 @@
+"""KVPool: block values in Redis/Valkey, I/O on background threads.
+
+* ``count_hits(keys)``: how many leading keys exist (one pipelined EXISTS
+  round trip; called by the scheduler, so it fails fast when the pool is down).
+* ``submit_store(items)``: queue values for writing; a background thread
+  writes them in pipelined batches, skipping keys already present.  Refused
+  (counted as dropped) beyond ``max_inflight_bytes``.
+* ``submit_load(job, keys)`` / ``poll_loads()``: a background thread fetches
+  the values in one pipelined MGET-like batch; results come back as bytes or
+  None (missing, failed, or refused by the codec check).
+
+The threads block in socket I/O, which releases the GIL, so the engine's own
+Python keeps running while the network waits.  When the pool is unreachable
+the pool marks itself down for a growing back-off (1 s .. 30 s), answers
+"miss" at once, logs a rate-limited warning, and tries again after the
+back-off: requests still complete by recomputing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from vllm_overlay.pool.config import PoolConfig
+
+logger = logging.getLogger("vllm.overlay")
+
+_STOP = object()
+
+
+@dataclasses.dataclass
+class PoolStats:
+    lookups: int = 0
+    hits: int = 0  # blocks found by count_hits
+    misses: int = 0  # blocks not found (first gap ends a lookup)
+    loaded_blocks: int = 0
+    load_failures: int = 0  # missing or refused values on load
+    stored_blocks: int = 0
+    skipped_existing: int = 0
+    dropped_stores: int = 0  # over the in-flight limit, or pool down
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors: int = 0
+    io_seconds_in: float = 0.0
+    io_seconds_out: float = 0.0
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["gb_per_s_in"] = (self.bytes_in / self.io_seconds_in / 1e9
+                              if self.io_seconds_in else 0.0)
+        out["gb_per_s_out"] = (self.bytes_out / self.io_seconds_out / 1e9
+                               if self.io_seconds_out else 0.0)
+        return out
+
+
+def make_client(config: PoolConfig):
+    import redis
+
+    kwargs = dict(socket_connect_timeout=config.connect_timeout_s,
+                  socket_timeout=config.timeout_s)
+    if config.cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(config.redis_url, **kwargs)
+    return redis.Redis.from_url(config.redis_url, **kwargs)
+
+
+class KVPool:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.stats = PoolStats()
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = config.retry_backoff_s
+        self._last_warning = 0.0
+        self._inflight = 0
+        self._pending_loads = 0
+        self._loads_done: collections.deque = collections.deque()
+        self._store_q: queue.Queue = queue.Queue()
+        self._load_q: queue.Queue = queue.Queue()
+        self._client = None  # scheduler-side calls (count_hits)
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._store_q, self._store),
+                             name="vllm-overlay-pool-store", daemon=True),
+            threading.Thread(target=self._run, args=(self._load_q, self._load),
+                             name="vllm-overlay-pool-load", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- health -----------------------------------------------------------
+    def is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        import redis
+
+        with self._lock:
+            self.stats.errors += 1
+            unreachable = isinstance(exc, (redis.ConnectionError,
+                                           redis.TimeoutError))
+            if unreachable:
+                self._down_until = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2,
+                                    self.config.max_retry_backoff_s)
+            now = time.monotonic()
+            if now - self._last_warning >= 30.0:
+                self._last_warning = now
+                logger.warning(
+                    "vllm-overlay KV pool %s: %s failed (%s: %s)%s; requests "
+                    "recompute instead", self.config.redacted_url, what,
+                    type(exc).__name__, exc,
+                    f", retrying in {self._down_until - now:.0f}s"
+                    if unreachable else "")
+
+    def _ok(self) -> None:
+        if self._backoff != self.config.retry_backoff_s:
+            with self._lock:
+                self._backoff = self.config.retry_backoff_s
+            logger.info("vllm-overlay KV pool %s is reachable again",
+                        self.config.redacted_url)
+
+    def _connection(self):
+        if self._client is None:
+            self._client = make_client(self.config)
+        return self._client
+
+    # -- scheduler side ---------------------------------------------------
+    def count_hits(self, keys: list[bytes]) -> int:
+        """Number of leading ``keys`` present in the pool (0 when down)."""
+        if not keys or self.is_down():
+            return 0
+        try:
+            if self.config.cluster:  # keys hash to different nodes
+                present = [bool(self._connection().exists(k)) for k in keys]
+            else:
+                pipe = self._connection().pipeline(transaction=False)
+                for key in keys:
+                    pipe.exists(key)
+                present = [bool(x) for x in pipe.execute()]
+        except Exception as exc:  # noqa: BLE001 - any failure is a miss
+            self._failed(exc, "lookup")
+            return 0
+        self._ok()
+        hits = next((i for i, p in enumerate(present) if not p), len(keys))
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.hits += hits
+            self.stats.misses += len(keys) - hits
+        return hits
+
+    # -- stores -------------------------------------------------------------
+    def submit_store(self, items: list[tuple[bytes, bytes]]) -> bool:
+        """Queue ``(key, value)`` pairs; False if dropped."""
+        size = sum(len(v) for _, v in items)
+        with self._lock:
+            if self.is_down() or self._inflight + size > \
+                    self.config.max_inflight_bytes:
+                self.stats.dropped_stores += len(items)
+                return False
+            self._inflight += size
+        self._store_q.put((items, size))
+        return True
+
+    def _store(self, client, job) -> None:
+        items, size = job
+        try:
+            if self.is_down():
+                raise _Skipped()
+            start = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for key, _ in items:
+                pipe.exists(key)
+            present = pipe.execute()
+            todo = [(k, v) for (k, v), p in zip(items, present) if not p]
+            pipe = client.pipeline(transaction=False)
+            for key, value in todo:
+                pipe.set(key, value, nx=True, ex=self.config.ttl_s)
+            pipe.execute()
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.stats.stored_blocks += len(todo)
+                self.stats.skipped_existing += len(items) - len(todo)
+                self.stats.bytes_out += sum(len(v) for _, v in todo)
+                self.stats.io_seconds_out += elapsed
+            self._ok()
+        except _Skipped:
+            with self._lock:
+                self.stats.dropped_stores += len(items)
+        except Exception as exc:  # noqa: BLE001
+            with self._lock:
+                self.stats.dropped_stores += len(items)
+            self._failed(exc, "store")
+        finally:
+            with self._lock:
+                self._inflight -= size
+
+    # -- loads ----------------------------------------------------------------
+    def submit_load(self, job_id, keys: list[bytes]) -> None:
+        with self._lock:
+            self._pending_loads += 1
+        self._load_q.put((job_id, keys))
+
+    def poll_loads(self) -> list[tuple[object, list[bytes | None]]]:
+        done = []
+        while self._loads_done:
+            done.append(self._loads_done.popleft())
+        return done
+
+    def _load(self, client, job) -> None:
+        job_id, keys = job
+        values: list[bytes | None] = [None] * len(keys)
+        try:
+            if self.is_down():
+                raise _Skipped()
+            start = time.perf_counter()
+            if self.config.cluster:
+                values = [client.get(k) for k in keys]
+            else:
+                pipe = client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.get(key)
+                values = pipe.execute()
+            with self._lock:
+                self.stats.bytes_in += sum(len(v) for v in values if v)
+                self.stats.io_seconds_in += time.perf_counter() - start
+            self._ok()
+        except _Skipped:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            values = [None] * len(keys)
+            self._failed(exc, "load")
+        self._loads_done.append((job_id, values))
+        with self._lock:
+            self._pending_loads -= 1
+
+    def record_load(self, loaded: int, failed: int) -> None:
+        with self._lock:
+            self.stats.loaded_blocks += loaded
+            self.stats.load_failures += failed
+
+    # -- threads ----------------------------------------------------------------
+    def _run(self, jobs: queue.Queue, handle) -> None:
+        client = None
+        while True:
+            job = jobs.get()
+            if job is _STOP:
+                return
+            if client is None:
+                try:
+                    client = make_client(self.config)
+                except Exception as exc:  # noqa: BLE001
+                    self._failed(exc, "connect")
+            if client is not None:
+                handle(client, job)
+            else:  # cannot even build a client: fail the job
+                handle(_Unreachable(), job)
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until queued stores and loads are done (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._inflight == 0 and self._pending_loads == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        for q in (self._store_q, self._load_q):
+            q.put(_STOP)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def take_stats(self) -> PoolStats:
+        with self._lock:
+            stats, self.stats = self.stats, PoolStats()
+        return stats
+
+
+class _Skipped(Exception):
+    pass
+
+
+class _Unreachable:
+    """Stands in for a client that could not be created."""
+
+    def _fail(self, *args, **kwargs):
+        import redis
+
+        raise redis.ConnectionError("pool unreachable")
+
+    pipeline = get = exists = _fail
