@@ -8,6 +8,8 @@ CONNECTORS = {
                                  "CrossLayerProbeConnector"),
     "OverlayOffloadingConnector": ("vllm_overlay.connectors.offloading",
                                    "OverlayOffloadingConnector"),
+    "SharedKVPoolConnector": ("vllm_overlay.connectors.shared_pool",
+                              "SharedKVPoolConnector"),
 }
 OFFLOADING_SPECS = {
     # spec_name for stock OffloadingConnector -> (module, class)

@@ -72,7 +72,8 @@ def make_client(config: PoolConfig):
 class KVPool:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
-        self.stats = PoolStats()
+        self.stats = PoolStats()  # since the last take_stats()
+        self.totals = PoolStats()  # since start, up to the last take_stats()
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = config.retry_backoff_s
@@ -279,7 +280,16 @@ class KVPool:
     def take_stats(self) -> PoolStats:
         with self._lock:
             stats, self.stats = self.stats, PoolStats()
+            for field in dataclasses.fields(PoolStats):
+                setattr(self.totals, field.name,
+                        getattr(self.totals, field.name)
+                        + getattr(stats, field.name))
         return stats
+
+    def cumulative(self) -> dict:
+        """Totals since start, including the current interval."""
+        self.take_stats()
+        return self.totals.as_dict()
 
 
 class _Skipped(Exception):

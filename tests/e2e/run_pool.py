@@ -1,0 +1,112 @@
+"""One vLLM "node" using the shared KV pool (CPU build); prints JSON.
+
+    python run_pool.py '{"url": "redis://127.0.0.1:6379", ...}'
+
+Config: ``url`` (null: no pool, stock run), ``namespace``, ``cluster``,
+``prompts`` ("shared" | "other"), ``copy_from_namespace_of`` (a key prefix
+``vkv:<ns>:``: before generating, copy those values under this node's own
+namespace, as a misconfigured or malicious writer would), ``kill_pid`` (kill
+this process, the pool server, after the first pass, then run a second pass
+with other prompts), ``restart`` ([port, dir]: start redis-server again
+there and run a third pass).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from vllm_overlay.demo import cpu_defaults, tiny_model_path
+
+WORDS = ("key value block cache layer token prefix north south river stone "
+         "memory page copy seven").split()
+
+
+def prompts(kind: str) -> list[str]:
+    shift = {"shared": 0, "other": 5, "third": 9}[kind]
+    return [" ".join(WORDS[(i * 7 + shift + j) % len(WORDS)]
+                     for i in range(n)) for j, n in enumerate((400, 290))]
+
+
+def worker_pool_totals(worker) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    connector.pool.drain()
+    return connector.pool.cumulative()
+
+
+def main(config: dict) -> dict:
+    cpu_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv_transfer_config = None
+    if config.get("url"):
+        extra = {"url": config["url"],
+                 "namespace": config.get("namespace", "test"),
+                 "retry_backoff_s": 0.2, "max_retry_backoff_s": 0.5,
+                 "timeout_s": 1.0, "connect_timeout_s": 0.5}
+        if config.get("cluster"):
+            extra["cluster"] = True
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="SharedKVPoolConnector", kv_role="kv_both",
+            kv_connector_extra_config=extra)
+    llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=1024,
+              num_gpu_blocks_override=48, enforce_eager=True, seed=0,
+              kv_transfer_config=kv_transfer_config)
+    scheduler_connector = None
+    if kv_transfer_config is not None:
+        scheduler_connector = (llm.llm_engine.engine_core.engine_core
+                               .scheduler.connector)
+    if config.get("copy_from_namespace_of"):
+        copy_namespace(scheduler_connector, config["copy_from_namespace_of"])
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
+
+    def run(kind: str) -> list[dict]:
+        outs = llm.generate(prompts(kind), params, use_tqdm=False)
+        return [{"prompt_tokens": len(o.prompt_token_ids),
+                 "tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [lp[t].logprob for lp, t in zip(
+                     o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                 "cached_tokens": o.num_cached_tokens or 0} for o in outs]
+
+    passes = [run(config.get("prompts", "shared"))]
+    if config.get("kill_pid"):
+        os.kill(config["kill_pid"], 9)
+        time.sleep(0.2)
+        passes.append(run("other"))
+    if config.get("restart"):
+        port, workdir = config["restart"]
+        subprocess.Popen(["redis-server", "--port", str(port), "--bind",
+                          "127.0.0.1", "--save", "", "--appendonly", "no",
+                          "--dir", workdir], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # server up, back-off (<= 0.5 s) expired
+        passes.append(run("third"))
+    result = {"passes": passes}
+    if scheduler_connector is not None:
+        result["worker"] = llm.collective_rpc(worker_pool_totals)[0]
+        result["scheduler"] = scheduler_connector.pool.cumulative()
+        result["namespace"] = scheduler_connector.ns.hex()
+    return result
+
+
+def copy_namespace(connector, source_prefix: str) -> None:
+    """Copy every value under ``source_prefix`` to this node's namespace."""
+    import redis
+
+    client = redis.Redis.from_url(connector.config.redis_url)
+    mine = f"vkv:{connector.ns.hex()}:"
+    for key in client.scan_iter(match=source_prefix + "*"):
+        rest = key.decode()[len(source_prefix):]
+        client.set(mine + rest, client.get(key))
+
+
+if __name__ == "__main__":
+    print("RESULT:" + json.dumps(main(json.loads(sys.argv[1]))))

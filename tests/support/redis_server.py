@@ -1,0 +1,97 @@
+"""Real redis-server instances on free loopback ports, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, *extra: str, port: int | None = None) -> None:
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server not found (scripts/setup_env.sh "
+                               "installs it)")
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="vllm-overlay-redis-")
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self.dir, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def cli(self, *args: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(self.port), *args],
+                              capture_output=True, text=True, timeout=30
+                              ).stdout.strip()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server on {self.port} exited")
+            if self.cli("ping") == "PONG":
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on {self.port} not ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready()
+
+
+@contextlib.contextmanager
+def redis_server(*extra: str):
+    server = RedisServer(*extra)
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def redis_cluster(nodes: int = 3):
+    """A local Redis Cluster of ``nodes`` masters (no replicas)."""
+    servers = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file",
+                           "nodes.conf", "--cluster-node-timeout", "2000")
+               for _ in range(nodes)]
+    try:
+        out = subprocess.run(
+            ["redis-cli", "--cluster", "create",
+             *[f"127.0.0.1:{s.port}" for s in servers], "--cluster-replicas",
+             "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(out.stdout + out.stderr)
+        deadline = time.monotonic() + 20
+        while "cluster_state:ok" not in servers[0].cli("cluster", "info"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("cluster did not become ok")
+            time.sleep(0.1)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+            shutil.rmtree(s.dir, ignore_errors=True)
