@@ -19,7 +19,7 @@ class LLMRun:
         full_env = {**os.environ, **env}
         proc = subprocess.run(
             [sys.executable, str(HERE / script), json.dumps(config)],
-            env=full_env, capture_output=True, text=True, timeout=600)
+            env=full_env, capture_output=True, text=True, timeout=300)
         self.log = proc.stdout + proc.stderr
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT:")]
         if proc.returncode != 0 or not lines:
@@ -59,6 +59,13 @@ def offload_run():
 def pp_run():
     """pp_run(config, **env) -> LLMRun of run_pp.py."""
     return _memoized("run_pp.py")
+
+
+@pytest.fixture
+def pool_node():
+    """pool_node(config, **env) -> LLMRun of run_pool.py (not memoized:
+    each call is a new node process against the current pool state)."""
+    return lambda config, **env: LLMRun(config, env, "run_pool.py")
 
 
 def _memoized(script: str):

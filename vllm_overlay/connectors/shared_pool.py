@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from vllm_overlay.pool.pool import KVPool
 logger = logging.getLogger("vllm.overlay")
 
 CHAIN_ROOT = b"vllm-overlay shared KV pool chain root v1"
+REFUSED_TTL_S = 300.0  # a refused value is not looked up again for this long
 
 
 def layout_descriptor(vllm_config) -> str:
@@ -140,6 +142,9 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         self._lookups: dict[str, tuple[int, int]] = {}  # req -> (start, hits)
         self._loads: dict[str, tuple[list[int], list[bytes]]] = {}
         self._storing: set[str] = set()
+        self._loading: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._refused: dict[bytes, float] = {}  # chain hash -> when
+        self._load_start: dict[str, int] = {}
         # worker side
         self._table = None
         self._rank = 0
@@ -181,6 +186,15 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         if last <= start:
             return 0, False
         hits = last - start
+        # Stop before a block whose value was refused recently.
+        now = time.monotonic()
+        for i, h in enumerate(chain[start:last]):
+            when = self._refused.get(h)
+            if when is not None and now - when < REFUSED_TTL_S:
+                hits = i
+                break
+        if hits == 0:
+            return 0, False
         for rank in range(self.world_size):
             hits = min(hits, self.pool.count_hits(
                 [self.key(h, rank) for h in chain[start:start + hits]]))
@@ -200,7 +214,10 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
             assert n == hits, (n, hits)
             chain = self._chains[req_id]
             self._loads[req_id] = (block_ids[-n:], chain[start:start + n])
-        self._next_store[req_id] = start + hits
+            self._load_start[req_id] = start
+        # Called again when a loaded request is scheduled: keep the mark.
+        self._next_store[req_id] = max(self._next_store.get(req_id, 0),
+                                       start + hits)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector \
@@ -226,17 +243,32 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
                 self._next_store[req_id] = full
                 self._storing.add(req_id)
         meta = PoolMetadata(loads=self._loads, stores=stores)
+        self._loading.update(self._loads)
         self._loads = {}
         return meta
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
             self._storing.discard(req_id)
+        invalid = connector_output.invalid_block_ids or set()
+        now = time.monotonic()
+        for req_id in connector_output.finished_recving or ():
+            block_ids, chain = self._loading.pop(req_id, ((), ()))
+            start = self._load_start.pop(req_id, 0)
+            for i, (block_id, h) in enumerate(zip(block_ids, chain)):
+                if block_id in invalid:  # never look it up again (for a while)
+                    self._refused[h] = now
+                    if req_id in self._next_store:  # store it once recomputed
+                        self._next_store[req_id] = min(
+                            self._next_store[req_id], start + i)
+        if len(self._refused) > 100_000:
+            self._refused = {h: t for h, t in self._refused.items()
+                             if now - t < REFUSED_TTL_S}
 
     def request_finished(self, request, block_ids):
         req_id = request.request_id
         for table in (self._chains, self._requests, self._block_ids,
-                      self._next_store, self._lookups):
+                      self._next_store, self._lookups, self._load_start):
             table.pop(req_id, None)
         return req_id in self._storing, None
 
@@ -321,7 +353,7 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         done = set()
         for req_id, values in self.pool.poll_loads():
             block_ids, chain = self._jobs.pop(req_id)
-            good_ids, good_rows, failed = [], [], 0
+            good_ids, good_rows, failed, refused = [], [], 0, []
             for block_id, h, value in zip(block_ids, chain, values):
                 try:
                     if value is None:
@@ -332,6 +364,7 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
                     failed += 1
                     self._load_errors.add(block_id)
                     if value is not None:
+                        refused.append(self.key(h, self._rank))
                         logger.warning("vllm-overlay KV pool: block %s "
                                        "refused (%s); recomputing",
                                        h.hex()[:12], exc)
@@ -347,6 +380,8 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
                 if self._table.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
             self.pool.record_load(len(good_ids), failed)
+            if refused:  # a bad value is never loaded again, by any node
+                self.pool.submit_delete(refused)
             done.add(req_id)
         return done
 

@@ -167,7 +167,18 @@ class KVPool:
         self._store_q.put((items, size))
         return True
 
+    def submit_delete(self, keys: list[bytes]) -> None:
+        """Remove values that failed their check (background)."""
+        self._store_q.put(("delete", keys))
+
     def _store(self, client, job) -> None:
+        if job[0] == "delete":
+            try:
+                client.delete(*job[1]) if not self.config.cluster else [
+                    client.delete(k) for k in job[1]]
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc, "delete")
+            return
         items, size = job
         try:
             if self.is_down():

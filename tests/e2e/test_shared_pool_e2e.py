@@ -1,0 +1,132 @@
+"""Shared KV pool end to end: real vLLM 0.11.2 (CPU) nodes, real redis-server.
+
+Each node is a separate process (as separate machines would be).  Outputs
+are always compared with a stock run (overlay disabled, no pool).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+from support.redis_server import redis_cluster, redis_server  # noqa: E402
+
+STOCK = {"VLLM_OVERLAY_DISABLE": "1"}
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def stock(llm_run_stock_pool):
+    return llm_run_stock_pool
+
+
+@pytest.fixture(scope="module")
+def llm_run_stock_pool():
+    from conftest import LLMRun
+
+    return {kind: LLMRun({"url": None, "prompts": kind}, STOCK, "run_pool.py")
+            for kind in ("shared", "other")}
+
+
+def tokens(run, p=0):
+    return [x["tokens"] for x in run.passes[p]]
+
+
+def logprobs(run, p=0):
+    return [x["logprobs"] for x in run.passes[p]]
+
+
+def test_second_node_loads_what_the_first_computed(pool_node, stock):
+    with redis_server() as server:
+        first = pool_node({"url": server.url})
+        second = pool_node({"url": server.url})
+    assert first.result["worker"]["stored_blocks"] == 5
+    assert first.result["scheduler"]["hits"] == 0
+    # The second node found every full prompt block and loaded it.
+    assert second.result["scheduler"]["hits"] == 5
+    assert second.result["worker"]["loaded_blocks"] == 5
+    assert second.result["worker"]["load_failures"] == 0
+    assert second.result["worker"]["bytes_in"] == \
+        first.result["worker"]["bytes_out"]
+    assert [x["cached_tokens"] for x in second.passes[0]] == [3 * BLOCK,
+                                                              2 * BLOCK]
+    for run in (first, second):
+        assert tokens(run) == tokens(stock["shared"])
+        assert logprobs(run) == logprobs(stock["shared"])
+
+
+def test_corrupted_value_is_a_miss_and_recomputed(pool_node, stock):
+    with redis_server() as server:
+        pool_node({"url": server.url})
+        keys = server.cli("--scan", "--pattern", "vkv:*").split()
+        assert len(keys) == 5
+        for key in keys:  # flip payload bytes behind the 48-byte header
+            server.cli("setrange", key, "1000", "garbage!")
+        second = pool_node({"url": server.url})
+    assert second.result["scheduler"]["hits"] == 5
+    assert second.result["worker"]["load_failures"] == 5
+    assert second.result["worker"]["loaded_blocks"] == 0
+    assert "checksum mismatch" in second.log
+    assert "Recovered from KV load failure" in second.log
+    # The bad values were deleted and the recomputed blocks stored again.
+    assert second.result["worker"]["stored_blocks"] == 5
+    assert tokens(second) == tokens(stock["shared"])
+    assert logprobs(second) == logprobs(stock["shared"])
+
+
+def test_value_from_another_namespace_is_refused(pool_node, stock):
+    with redis_server() as server:
+        a = pool_node({"url": server.url, "namespace": "team-a"})
+        b = pool_node({"url": server.url, "namespace": "team-b",
+                       "copy_from_namespace_of":
+                       f"vkv:{a.result['namespace']}:"})
+    assert a.result["namespace"] != b.result["namespace"]
+    assert b.result["scheduler"]["hits"] == 5  # the copied keys exist...
+    assert b.result["worker"]["load_failures"] == 5  # ...but are refused
+    assert "value belongs to another namespace" in b.log
+    assert b.result["worker"]["stored_blocks"] == 5  # its own, recomputed
+    assert tokens(b) == tokens(stock["shared"])
+    assert logprobs(b) == logprobs(stock["shared"])
+
+
+def test_pool_full_requests_still_complete(pool_node, stock):
+    with redis_server("--maxmemory", "600kb", "--maxmemory-policy",
+                      "noeviction") as server:
+        run = pool_node({"url": server.url})
+        stored = int(server.cli("dbsize"))
+    worker = run.result["worker"]
+    assert worker["errors"] >= 1 and worker["dropped_stores"] >= 1
+    assert stored < 5
+    assert "OOM" in run.log or "maxmemory" in run.log
+    assert tokens(run) == tokens(stock["shared"])
+
+
+def test_server_killed_mid_run_then_back(pool_node, stock):
+    with redis_server() as server:
+        run = pool_node({"url": server.url, "kill_pid": server.proc.pid,
+                         "restart": [server.port, server.dir]})
+        after = int(server.cli("dbsize"))
+        server.cli("shutdown", "nosave")
+    first, down, back = run.passes
+    assert [x["tokens"] for x in first] == tokens(stock["shared"])
+    assert [x["tokens"] for x in down] == tokens(stock["other"])
+    assert [x["logprobs"] for x in down] == logprobs(stock["other"])
+    worker = run.result["worker"]
+    assert worker["errors"] >= 1 and worker["dropped_stores"] >= 1
+    assert "retrying in" in run.log
+    assert "reachable again" in run.log
+    assert after >= 1  # the third pass wrote to the restarted server
+
+
+def test_three_node_redis_cluster(pool_node, stock):
+    with redis_cluster(3) as servers:
+        url = servers[0].url
+        first = pool_node({"url": url, "cluster": True})
+        second = pool_node({"url": url, "cluster": True})
+        per_node = [int(s.cli("dbsize")) for s in servers]
+    assert sum(per_node) == 5 and sum(n > 0 for n in per_node) >= 2
+    assert second.result["worker"]["loaded_blocks"] == 5
+    assert tokens(second) == tokens(stock["shared"])
+    assert logprobs(second) == logprobs(stock["shared"])
