@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -10,10 +11,28 @@ import tempfile
 import time
 
 
-def free_port() -> int:
+def _is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for cluster nodes also port + 10000 (the
+    cluster bus), which must stay below 65536."""
+    if not cluster:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 50000)
+        if _is_free(port) and _is_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -21,7 +40,7 @@ class RedisServer:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server not found (scripts/setup_env.sh "
                                "installs it)")
-        self.port = port or free_port()
+        self.port = port or free_port(cluster="--cluster-enabled" in extra)
         self.dir = tempfile.mkdtemp(prefix="vllm-overlay-redis-")
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
