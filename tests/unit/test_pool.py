@@ -1,0 +1,123 @@
+"""Pool core against a real redis-server: codec, config, I/O, failures."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+from support.redis_server import redis_server  # noqa: E402
+
+from vllm_overlay.pool import codec  # noqa: E402
+from vllm_overlay.pool.config import PoolConfig  # noqa: E402
+from vllm_overlay.pool.pool import KVPool  # noqa: E402
+
+NS = b"n" * 16
+
+
+def test_codec_round_trip_and_every_check():
+    payload = bytes(range(256)) * 10
+    value = codec.encode(NS, b"k1", payload)
+    assert len(value) == codec.HEADER_BYTES + len(payload)
+    assert bytes(codec.decode(NS, b"k1", value, len(payload))) == payload
+    bad = bytearray(value)
+    bad[codec.HEADER_BYTES + 5] ^= 1
+    cases = [
+        (bytes(bad), b"k1", NS, len(payload), "checksum"),
+        (value, b"k2", NS, len(payload), "another key"),
+        (value, b"k1", b"m" * 16, len(payload), "another namespace"),
+        (value, b"k1", NS, len(payload) + 1, "layout needs"),
+        (value[:20], b"k1", NS, len(payload), "shorter than the header"),
+        (b"XXXX" + value[4:], b"k1", NS, len(payload), "bad magic"),
+        (value[:4] + b"\x09\x00" + value[6:], b"k1", NS, len(payload),
+         "format version 9"),
+    ]
+    for data, key, ns, length, message in cases:
+        with pytest.raises(codec.BadValue, match=message):
+            codec.decode(ns, key, data, length)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({}, "missing"),  # url is required by the dataclass
+    ({"url": "http://x"}, "scheme must be one of"),
+    ({"url": "redis://"}, "has no host"),
+    ({"url": "redis://h", "cluster": "yes"}, "cluster must be true or false"),
+    ({"url": "redis://h", "namespace": "a b"}, "without spaces"),
+    ({"url": "redis://h", "timeout_s": 0}, "timeout_s must be a positive"),
+    ({"url": "redis://h", "max_inflight_bytes": -1}, "max_inflight_bytes"),
+    ({"url": "redis://h", "ttl_s": 1.5}, "ttl_s must be a positive integer"),
+    ({"url": "redis://h", "urll": 1}, "unknown pool options"),
+])
+def test_bad_config_is_rejected(values, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        PoolConfig.from_dict(values)
+
+
+def test_urls_and_redaction():
+    config = PoolConfig(url="valkeys://user:s3cret@cache.example:6380/2")
+    assert config.redis_url == "rediss://user:s3cret@cache.example:6380/2"
+    assert "s3cret" not in config.redacted_url
+    assert PoolConfig(url="valkey://h").redis_url == "redis://h"
+
+
+def test_store_lookup_load_and_stats():
+    with redis_server() as server:
+        pool = KVPool(PoolConfig(url=server.url.replace("redis", "valkey")))
+        try:
+            items = [(b"k%d" % i, b"v" * 100 * (i + 1)) for i in range(4)]
+            assert pool.submit_store(items[:3])
+            assert pool.drain()
+            assert pool.count_hits([k for k, _ in items]) == 3
+            assert pool.count_hits([b"k9", b"k0"]) == 0  # leading gap
+            pool.submit_load("job", [b"k1", b"k3", b"k0"])
+            assert pool.drain()
+            (job, values), = pool.poll_loads()
+            assert job == "job" and values == [items[1][1], None, items[0][1]]
+            # Stored again: skipped, nothing rewritten.
+            pool.submit_store(items[:1])
+            assert pool.drain()
+            stats = pool.cumulative()
+            assert stats["stored_blocks"] == 3
+            assert stats["skipped_existing"] == 1
+            assert stats["bytes_out"] == 600 and stats["bytes_in"] == 300
+            assert stats["hits"] == 3 and stats["errors"] == 0
+        finally:
+            pool.close()
+
+
+def test_in_flight_limit_drops_stores():
+    with redis_server() as server:
+        pool = KVPool(PoolConfig(url=server.url, max_inflight_bytes=1000))
+        try:
+            assert not pool.submit_store([(b"big", b"x" * 2000)])
+            assert pool.cumulative()["dropped_stores"] == 1
+        finally:
+            pool.close()
+
+
+def test_pool_down_fails_fast_and_recovers():
+    with redis_server() as server:
+        pool = KVPool(PoolConfig(url=server.url, retry_backoff_s=0.2,
+                                 max_retry_backoff_s=0.2, timeout_s=0.5,
+                                 connect_timeout_s=0.2))
+        try:
+            assert pool.submit_store([(b"a", b"1")]) and pool.drain()
+            server.stop()
+            assert pool.count_hits([b"a"]) == 0  # error -> miss
+            assert pool.is_down()
+            start = time.monotonic()
+            assert pool.count_hits([b"a"]) == 0  # down: no network at all
+            assert time.monotonic() - start < 0.05
+            assert not pool.submit_store([(b"b", b"2")])  # dropped
+            server.restart()
+            time.sleep(0.3)
+            assert pool.count_hits([b"zz"]) == 0 and not pool.is_down()
+            assert pool.submit_store([(b"c", b"3")]) and pool.drain()
+            assert pool.count_hits([b"c"]) == 1
+            stats = pool.cumulative()
+            assert stats["errors"] >= 1 and stats["dropped_stores"] >= 1
+        finally:
+            pool.close()
