@@ -121,3 +121,40 @@ def test_pool_down_fails_fast_and_recovers():
             assert stats["errors"] >= 1 and stats["dropped_stores"] >= 1
         finally:
             pool.close()
+
+
+def test_tls_with_user_and_password(tmp_path):
+    """rediss:// with an ACL user; a wrong password is an error and a miss,
+    never a crash."""
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days",
+                    "1", "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    from support.redis_server import free_port
+
+    tls_port = free_port()
+    with redis_server("--tls-port", str(tls_port), "--tls-cert-file",
+                      str(cert), "--tls-key-file", str(key),
+                      "--tls-ca-cert-file", str(cert), "--tls-auth-clients",
+                      "no") as server:
+        server.cli("acl", "setuser", "alice", "on", ">s3cret", "~*", "&*",
+                   "+@all")
+        good = KVPool(PoolConfig(url=f"rediss://alice:s3cret@127.0.0.1:"
+                                 f"{tls_port}", tls_ca_file=str(cert)))
+        bad = KVPool(PoolConfig(url=f"rediss://alice:wrong@127.0.0.1:"
+                                f"{tls_port}", tls_ca_file=str(cert)))
+        try:
+            assert good.submit_store([(b"t", b"over tls")]) and good.drain()
+            assert good.count_hits([b"t"]) == 1
+            assert bad.count_hits([b"t"]) == 0
+            assert bad.cumulative()["errors"] == 1
+            assert server.cli("get", "t") == "over tls"  # plain port too
+        finally:
+            good.close()
+            bad.close()
+    with pytest.raises(ValueError, match="needs a rediss"):
+        PoolConfig(url="redis://h", tls_ca_file=str(cert))

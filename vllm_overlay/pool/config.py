@@ -20,6 +20,7 @@ class PoolConfig:
     ttl_s: int | None = None
     retry_backoff_s: float = 1.0
     max_retry_backoff_s: float = 30.0
+    tls_ca_file: str | None = None  # CA bundle for rediss:// / valkeys://
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -53,6 +54,21 @@ class PoolConfig:
                                        self.ttl_s <= 0):
             raise ValueError(f"ttl_s must be a positive integer or null, got "
                              f"{self.ttl_s!r}")
+
+        if self.tls_ca_file is not None:
+            import os
+
+            if not isinstance(self.tls_ca_file, str) or not os.path.isfile(
+                    self.tls_ca_file):
+                raise ValueError(f"tls_ca_file {self.tls_ca_file!r} is not a "
+                                 "readable file")
+            if not self.tls:
+                raise ValueError("tls_ca_file needs a rediss:// or valkeys:// "
+                                 "url")
+
+    @property
+    def tls(self) -> bool:
+        return urllib.parse.urlsplit(self.url).scheme in ("rediss", "valkeys")
 
     @classmethod
     def from_dict(cls, values: dict) -> "PoolConfig":

@@ -62,6 +62,8 @@ def make_client(config: PoolConfig):
 
     kwargs = dict(socket_connect_timeout=config.connect_timeout_s,
                   socket_timeout=config.timeout_s)
+    if config.tls_ca_file:
+        kwargs["ssl_ca_certs"] = config.tls_ca_file
     if config.cluster:
         from redis.cluster import RedisCluster
 
