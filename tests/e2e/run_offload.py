@@ -37,10 +37,9 @@ def handler_info(worker, corrupt: bool = False) -> dict:
     if not has_kv_transfer_group():
         return {}
     handler = get_kv_transfer_group().connector_worker.handler
-    handler.take_stats()
     if corrupt:
         handler.mover.host.zero_()
-    return {"totals": {d: s.as_dict() for d, s in handler.totals.items()},
+    return {"totals": handler.cumulative(),
             "runs_per_block": handler.mover.table.runs_per_block,
             "method": handler.mover.method,
             "cross_layer": worker.model_runner.cross_layers_kv_cache is not None}

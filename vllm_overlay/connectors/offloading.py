@@ -156,6 +156,17 @@ class BlockMoverHandler(OffloadingHandler):
     def get_finished(self):
         return [(job_id, True) for job_id in self.mover.poll()]
 
+    def cumulative(self) -> dict[str, dict]:
+        """Totals since start, without taking the interval's stats away
+        from vLLM's stats reporting."""
+        out = {}
+        for direction, total in self.totals.items():
+            both = TransferStats()
+            both.add(total)
+            both.add(self.mover.stats[direction])
+            out[direction] = both.as_dict()
+        return out
+
     def take_stats(self) -> dict[str, dict]:
         stats = self.mover.take_stats()
         for direction, value in stats.items():

@@ -7,6 +7,7 @@ HND: ``[blocks, heads, layers, 2, tokens, head_size]`` (upstream's choice: a
 TP rank's heads stay contiguous inside a block).
 """
 
+from vllm_overlay.patches.layout_orders import order_for_layout
 from vllm_overlay.patching import Patch
 
 MODULE = "vllm.v1.attention.backends.flash_attn"
@@ -21,9 +22,8 @@ _ORDERS = {
 def stride_order_for_layout(cache_layout: str,
                             include_num_layers_dimension: bool
                             ) -> tuple[int, ...]:
-    if cache_layout not in _ORDERS:
-        raise ValueError(f"Unknown cache layout format {cache_layout}.")
-    return _ORDERS[cache_layout][int(include_num_layers_dimension)]
+    return order_for_layout(_ORDERS, cache_layout,
+                            include_num_layers_dimension)
 
 
 @staticmethod

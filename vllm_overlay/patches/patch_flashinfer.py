@@ -10,6 +10,7 @@ contiguous, so where they may be used the layers dimension is refused and the
 stock layout is kept (``VLLM_USE_TRTLLM_ATTENTION=0`` turns them off).
 """
 
+from vllm_overlay.patches.layout_orders import order_for_layout
 from vllm_overlay.patching import Patch
 
 MODULE = "vllm.v1.attention.backends.flashinfer"
@@ -23,9 +24,8 @@ _ORDERS = {
 def stride_order_for_layout(cache_layout: str,
                             include_num_layers_dimension: bool
                             ) -> tuple[int, ...]:
-    if cache_layout not in _ORDERS:
-        raise ValueError(f"Unknown cache layout format {cache_layout}.")
-    return _ORDERS[cache_layout][int(include_num_layers_dimension)]
+    return order_for_layout(_ORDERS, cache_layout,
+                            include_num_layers_dimension)
 
 
 def trtllm_refusal() -> str | None:
