@@ -81,12 +81,14 @@ def batch(rng, tokenizer, size: int, pairs: int, queries: int):
     return torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)
 
 
-def build_model(tokenizer):
+def build_model(tokenizer, layers: int = 4, hidden: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    heads = hidden // 32  # head size 32: CPU_ATTN supports it
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=len(tokenizer), hidden_size=hidden,
+        intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads,
         head_dim=32, max_position_embeddings=2048, rope_theta=10000.0,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
@@ -105,19 +107,20 @@ def accuracy(model, tokenizer, pairs: int, n: int = 64) -> float:
     return float((pred[m] == target[m]).float().mean())
 
 
-def train(steps: int, out: pathlib.Path) -> None:
+def train(steps: int, out: pathlib.Path, layers: int, hidden: int,
+          lr_max: float) -> None:
     torch.manual_seed(SEED)
     rng = random.Random(SEED)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(out)
-    model = build_model(tokenizer)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    model = build_model(tokenizer, layers, hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr_max, weight_decay=0.01)
     # Curriculum: (fraction of steps, pairs range, batch size)
-    phases = [(0.6, (8, 24), 64), (0.25, (24, 60), 32), (0.15, (60, 100), 16)]
+    phases = [(0.6, (8, 16), 64), (0.25, (16, 48), 32), (0.15, (48, 100), 16)]
     step, start = 0, time.time()
     for frac, (lo, hi), size in phases:
         for _ in range(int(steps * frac)):
-            lr = 2e-3 * min(1.0, (step + 1) / 100) * (
+            lr = lr_max * min(1.0, (step + 1) / 100) * (
                 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -143,6 +146,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    train(args.steps, args.out)
+    train(args.steps, args.out, args.layers, args.hidden, args.lr)
