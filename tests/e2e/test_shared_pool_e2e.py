@@ -123,7 +123,7 @@ def test_server_killed_mid_run_then_back(pool_node, stock):
 def test_three_node_redis_cluster(pool_node, stock):
     with redis_cluster(3) as servers:
         url = servers[0].url
-        first = pool_node({"url": url, "cluster": True})
+        pool_node({"url": url, "cluster": True})  # computes and stores
         second = pool_node({"url": url, "cluster": True})
         per_node = [int(s.cli("dbsize")) for s in servers]
     assert sum(per_node) == 5 and sum(n > 0 for n in per_node) >= 2

@@ -281,16 +281,12 @@ def triton_copy(table: BlockTable, block_ids: torch.Tensor,
     meta = meta.to(dev)
     longest = int(meta[3].max())
     chunk = min(chunk_words, 1 << (longest - 1).bit_length())
-    grid = (n, len(table.segments), triton_cdiv(longest, chunk))
+    grid = (n, len(table.segments), -(-longest // chunk))
     copy_blocks_kernel[grid](
         ref_words, packed.view(wdtype), block_ids.to(dev),
         packed_ids.to(dev), meta[0], meta[1], meta[2], meta[3],
         table.block_bytes // word, TO_PACKED=to_packed, CHUNK=chunk)
     return 1
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 COPY_METHODS = {"reference": reference_copy, "dma": dma_copy,

@@ -176,8 +176,11 @@ class KVPool:
     def _store(self, client, job) -> None:
         if job[0] == "delete":
             try:
-                client.delete(*job[1]) if not self.config.cluster else [
-                    client.delete(k) for k in job[1]]
+                if self.config.cluster:  # keys live on different nodes
+                    for key in job[1]:
+                        client.delete(key)
+                else:
+                    client.delete(*job[1])
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc, "delete")
             return
