@@ -111,8 +111,11 @@ def main(config: dict) -> dict:
         extra = {}
         if config["connector"] == "probe-no-prefer":
             extra["prefer_cross_layer_blocks"] = False
+        # The module path lets the probe load with the overlay disabled
+        # (the upstream-style patched tree in patches/).
         kv_transfer_config = KVTransferConfig(
             kv_connector="CrossLayerProbeConnector", kv_role="kv_both",
+            kv_connector_module_path="vllm_overlay.connectors.probe",
             kv_connector_extra_config=extra)
     kwargs = {}
     if config.get("chunked"):

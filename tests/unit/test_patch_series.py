@@ -1,0 +1,58 @@
+"""patches/: the upstream-style series applies to vLLM 0.11.2 and is in step
+with the runtime patches it mirrors."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import pathlib
+import py_compile
+import shutil
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PATCHES = ROOT / "patches"
+
+
+def series() -> list[pathlib.Path]:
+    return [PATCHES / line.strip() for line in
+            (PATCHES / "series").read_text().splitlines() if line.strip()]
+
+
+def test_every_diff_is_in_the_series_and_mapped_in_the_readme():
+    listed = {p.name for p in series()}
+    on_disk = {p.name for p in PATCHES.glob("*/*.patch")}
+    assert listed == on_disk
+    readme = (PATCHES / "README.md").read_text()
+    for name in listed:
+        assert name in readme, f"{name} is not mapped in patches/README.md"
+
+
+def test_series_applies_to_the_installed_vllm_sources(tmp_path):
+    site = pathlib.Path(importlib.util.find_spec("vllm").origin).parents[1]
+    targets = []
+    for diff in series():
+        for line in diff.read_text().splitlines():
+            if line.startswith("+++ b/"):
+                targets.append(line[len("+++ b/"):])
+    for target in targets:
+        if (site / target).exists():
+            (tmp_path / target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(site / target, tmp_path / target)
+    for diff in series():
+        subprocess.run(["git", "apply", "-p1", str(diff)], cwd=tmp_path,
+                       check=True, capture_output=True)
+    for target in targets:
+        py_compile.compile(str(tmp_path / target), doraise=True)
+
+
+def test_runtime_patches_have_not_changed_without_their_diffs():
+    """A runtime patch changed: update its diff in patches/cross-layer, then
+    SOURCES.sha256 (sha256sum of the files it lists)."""
+    sums = PATCHES / "cross-layer" / "SOURCES.sha256"
+    for line in sums.read_text().splitlines():
+        digest, path = line.split()
+        actual = hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
+        assert actual == digest, (
+            f"{path} changed since patches/cross-layer was written: update "
+            "the diff and patches/cross-layer/SOURCES.sha256")
