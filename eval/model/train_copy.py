@@ -8,8 +8,7 @@ wired to lm-eval.
 
     python eval/model/train_copy.py
 """
-import math, random, time, torch, sys
-sys.path.insert(0, "/work/main/eval/model")
+import random, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.set_num_threads(2); torch.manual_seed(0); rng = random.Random(0)
 V = 64 + 3  # 0 bos, 1 sep, 2 pad, 3.. tokens
