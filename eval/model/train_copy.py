@@ -11,9 +11,8 @@ wrong layer, a wrong block or stale bytes in the cache break it.
 tokenizer built here, fixed seed, curriculum over lengths (16..64, then up
 to 200, then up to 400 tokens).  Writes ``eval/model/copy_llama``.
 
-Measured by an earlier run of the same recipe on the 2-core machine (with
-CI running beside it): induction appeared at step ~400; after 1500 steps
-(260 s) copy accuracy was 0.99 at 48 tokens, 1.00 at 150, 0.90 at 250.
+Measured with this script on the 2-core machine: 2000 steps in 79 s; copy
+accuracy 0.991 at 150 tokens and 0.999 at 350 (its last output line).
 
     python eval/model/train_copy.py [--out DIR]
 """
