@@ -10,8 +10,9 @@ the same handler moves the per-layer runs, with one Triton launch per
 transfer on CUDA.
 
 Unlike stock 0.11.2 it also runs on the CPU platform, pairs sub-blocks when
-a device prefix hit is not aligned to the offloaded block size, and handles a
-kernel block size smaller than the cache block size.
+a device prefix hit is not aligned to the offloaded block size, handles a
+kernel block size smaller than the cache block size, and loads nothing for
+requests that skip the prefix cache (prompt logprobs).
 
 ``kv_connector_extra_config``:
   ``num_cpu_blocks`` (int) or ``cpu_bytes`` (int): host pool size, exactly one;
@@ -204,6 +205,16 @@ class OffloadStats(KVConnectorStats):
         return not any(v.get("jobs") for v in self.data.values())
 
 
+class _Scheduler(OffloadingConnectorScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        # A request that must not read cached KV (prompt logprobs: vLLM
+        # skips its device prefix cache) must not load it either, or the
+        # loaded positions get no prompt logprobs.  Stock 0.11.2 loads.
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
 class _Worker(OffloadingConnectorWorker):
     def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
         for src_cls, dst_cls, handler in self.spec.get_cross_layer_handlers(
@@ -226,7 +237,7 @@ class OverlayOffloadingConnector(OffloadingConnector):
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = OffloadingConnectorScheduler(spec)
+            self.connector_scheduler = _Scheduler(spec)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = _Worker(spec)
 

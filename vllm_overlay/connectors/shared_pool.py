@@ -179,6 +179,8 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         return chain
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # e.g. prompt logprobs: every position computed
         chain = self._chain(request)
         start = num_computed_tokens // self.block_size
         # Leave at least one token to compute.

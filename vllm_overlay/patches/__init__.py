@@ -12,8 +12,9 @@ from vllm_overlay.patches import (patch_abstract, patch_arg_utils,
                                   patch_cpu_attn, patch_cpu_worker,
                                   patch_flash_attn, patch_flashinfer,
                                   patch_gpu_model_runner, patch_gpu_worker,
+                                  patch_kv_cache_manager,
                                   patch_kv_connector_base, patch_mla_common,
-                                  patch_mla_indexer)
+                                  patch_mla_indexer, patch_scheduler)
 from vllm_overlay.patching import REGISTRY, Patch
 
 MODULES = (
@@ -30,6 +31,9 @@ MODULES = (
     patch_arg_utils,
     patch_gpu_worker,
     patch_cpu_worker,
+    # Async KV loads under KV pressure (offloading, shared pool)
+    patch_kv_cache_manager,
+    patch_scheduler,
 )
 
 
