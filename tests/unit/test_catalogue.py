@@ -49,6 +49,10 @@ def test_every_patch_is_named_by_a_test():
         "PP-03": "needs --kv-cache-memory-bytes",
         "PP-04": "Worker.determine_available_memory(worker)",
         "PP-05": "test_cpu_worker_respects_kv_cache_memory_bytes",
+        "KV-01": "test_kv01_stock_admits_loads_that_cannot_finish",
+        "KV-02": "test_kv02_aborted_parked_request_releases_its_promise",
+        "KV-03": "test_kv03_stock_scheduler_strands_it",
+        "KV-04": "test_kv04_stock_schedules_it_as_new",
     }
     assert set(behaviour) == {p.id for p in all_patches()}
     for patch_id, needle in behaviour.items():

@@ -23,23 +23,28 @@ from __future__ import annotations
 
 import logging
 
-from vllm_overlay.patches.patch_kv_cache_manager import parked_deficits
 from vllm_overlay.patching import REGISTRY, Patch
 
 MODULE = "vllm.v1.core.sched.scheduler"
 logger = logging.getLogger("vllm.overlay")
 
 
-def parked_first(queue, parked) -> int:
-    """Move the requests in ``parked`` to the front of a FCFS deque queue,
-    keeping order; returns how many requests it moved ahead."""
-    ahead = [r for r in queue if r.request_id in parked]
-    if not ahead:
-        return 0
-    # Already in front: nothing to do (the common case).
-    if all(r.request_id in parked for r, _ in zip(queue, ahead)):
-        return 0
-    behind = [r for r in queue if r.request_id not in parked]
+def holds_blocks(manager, request_id: str) -> bool:
+    """Whether a request holds KV blocks (a waiting one only does while it
+    is parked on an async KV load)."""
+    return any(mgr.req_to_blocks.get(request_id)
+               for mgr in manager.coordinator.single_type_managers)
+
+
+def parked_first(queue, is_parked) -> int:
+    """Move the requests for which ``is_parked(request)`` holds to the front
+    of a FCFS deque queue, keeping order; returns how many it moved."""
+    marks = [is_parked(r) for r in queue]
+    first_free = next((i for i, m in enumerate(marks) if not m), len(marks))
+    if not any(marks[first_free:]):
+        return 0  # already in front (the common case)
+    ahead = [r for r, m in zip(queue, marks) if m]
+    behind = [r for r, m in zip(queue, marks) if not m]
     queue.clear()
     queue.extend(ahead + behind)
     return len(ahead)
@@ -48,12 +53,14 @@ def parked_first(queue, parked) -> int:
 def schedule(self):
     from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
-    parked = parked_deficits(self.kv_cache_manager)
-    if parked and isinstance(self.waiting, FCFSRequestQueue):
-        moved = parked_first(self.waiting, parked)
+    if (self.connector is not None and self.waiting
+            and isinstance(self.waiting, FCFSRequestQueue)):
+        manager = self.kv_cache_manager
+        moved = parked_first(
+            self.waiting, lambda r: holds_blocks(manager, r.request_id))
         if moved:
-            stats = self.__dict__.setdefault("vllm_overlay_reordered", [0])
-            stats[0] += 1
+            self.vllm_overlay_reordered = getattr(
+                self, "vllm_overlay_reordered", 0) + 1
             logger.debug("vllm-overlay: %d requests holding KV blocks for "
                          "an async load moved to the front of the waiting "
                          "queue", moved)
@@ -68,6 +75,8 @@ def _update_waiting_for_remote_kv(self, request) -> bool:
         # The caller would set WAITING (a new request); keep it a resumed
         # one.  Reported as not ready: the next step schedules it.
         request.status = RequestStatus.PREEMPTED
+        self.vllm_overlay_resumed_after_load = getattr(
+            self, "vllm_overlay_resumed_after_load", 0) + 1
         logger.debug("vllm-overlay: %s resumes after its async KV load "
                      "(%d output tokens kept)", request.request_id,
                      request.num_output_tokens)

@@ -1,0 +1,127 @@
+"""Many async KV loads at once into a small device KV cache; prints JSON.
+
+    python run_pressure.py '{"connector": "offload" | "pool" | null, ...}'
+
+Config: ``connector`` (null: stock run, one pass), ``url`` (pool),
+``gpu_blocks`` (device KV blocks of 128 tokens), ``prompts`` (how many).
+
+Pass 1 computes the prompts (their full blocks are offloaded or written to
+the pool); the prefix cache is then reset, and pass 2 submits every prompt
+at once: each one hits 2 blocks outside the device, far more than fit
+together.  The engine is stepped by hand; if nothing progresses for
+``stall_s`` seconds the run reports ``stalled`` with the scheduler's state
+instead of hanging (stock 0.11.2 stalls here).  Reported: the outputs of
+each pass, connector totals, and how often the overlay's scheduler patches
+acted (deferred admissions, reorders, resumes after a load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from vllm_overlay.demo import cpu_defaults, tiny_model_path
+
+WORDS = ("key value block cache layer token prefix north south river stone "
+         "memory page copy seven eight ocean light").split()
+
+
+def prompt(i: int) -> str:
+    return " ".join(WORDS[(j * (i + 3) + i) % len(WORDS)] for j in range(320))
+
+
+def connector_totals(worker) -> dict:
+    from vllm.distributed.kv_transfer import (get_kv_transfer_group,
+                                              has_kv_transfer_group)
+
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    if hasattr(connector, "pool"):
+        connector.pool.drain()
+        return connector.pool.cumulative()
+    return connector.connector_worker.handler.cumulative()
+
+
+def step_all(llm, prompts, params, stall_s: float) -> dict:
+    """Submit every prompt at once and step until done or stalled."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    for i, text in enumerate(prompts):
+        engine.add_request(f"p{i}", text, params)
+    outputs, last_change, last_sig, steps = {}, time.monotonic(), None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        steps += 1
+        sig = (len(outputs), sum(r.num_computed_tokens + r.num_output_tokens
+                                 for r in scheduler.requests.values()))
+        if sig != last_sig:
+            last_sig, last_change = sig, time.monotonic()
+        elif time.monotonic() - last_change > stall_s:
+            return {"stalled": True, "steps": steps, "state": {
+                "running": len(scheduler.running),
+                "waiting": [str(r.status) for r in scheduler.waiting],
+                "free_blocks":
+                    scheduler.kv_cache_manager.block_pool.get_num_free_blocks()}}
+    return {"stalled": False, "steps": steps,
+            "outputs": [summary(outputs[f"p{i}"]) for i in range(len(prompts))]}
+
+
+def summary(out) -> dict:
+    completion = out.outputs[0]
+    return {"tokens": list(completion.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs,
+                                                        completion.token_ids)]}
+
+
+def main(config: dict) -> dict:
+    cpu_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv_transfer_config = None
+    if config.get("connector") == "offload":
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="OverlayOffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"num_cpu_blocks": 64})
+    elif config.get("connector") == "pool":
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="SharedKVPoolConnector", kv_role="kv_both",
+            kv_connector_extra_config={"url": config["url"],
+                                       "namespace": "pressure"})
+    llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=512,
+              num_gpu_blocks_override=config.get("gpu_blocks", 10),
+              enforce_eager=True, seed=0, disable_log_stats=True,
+              kv_transfer_config=kv_transfer_config)
+    # 320 prompt tokens and 80 generated: the decode crosses into a 4th
+    # block, so running requests preempt each other as well.
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True,
+                            logprobs=1)
+    prompts = [prompt(i) for i in range(config.get("prompts", 8))]
+    stall_s = config.get("stall_s", 20.0)
+    passes = [step_all(llm, prompts, params, stall_s)]
+    result = {"passes": passes}
+    if kv_transfer_config is None or passes[0]["stalled"]:
+        return result
+    llm.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)
+    result["after_first"] = llm.collective_rpc(connector_totals)[0]
+    llm.reset_prefix_cache()
+    passes.append(step_all(llm, prompts, params, stall_s))
+    result["totals"] = llm.collective_rpc(connector_totals)[0]
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.kv_cache_manager
+    result["overlay"] = {
+        **manager.__dict__.get("vllm_overlay_admission", {}),
+        "reordered": getattr(core.scheduler, "vllm_overlay_reordered", 0),
+        "resumed_after_load": getattr(
+            core.scheduler, "vllm_overlay_resumed_after_load", 0)}
+    return result
+
+
+if __name__ == "__main__":
+    print("RESULT:" + json.dumps(main(json.loads(sys.argv[1]))))
