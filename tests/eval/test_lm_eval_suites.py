@@ -1,0 +1,79 @@
+"""lm-eval suites: every KV path gives stock vLLM's results, sample by sample.
+
+Real lm-eval 0.4.13 and real vLLM 0.11.2 (CPU) on the copy model
+(eval/model/copy_llama) and its local tasks; the config with the expected
+values is eval/configs/copy-llama.yaml.  Each path runs in its own process.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "tests"))
+from check_suite import (DEFAULT_CONFIG, check, expected_problems,  # noqa: E402
+                         run_path)
+from run_eval import load_config  # noqa: E402
+from support.redis_server import redis_server  # noqa: E402
+
+CONFIG = load_config(DEFAULT_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def stock() -> dict:
+    return run_path(DEFAULT_CONFIG, "stock")
+
+
+def test_config_is_in_vllm_lm_eval_style():
+    first = DEFAULT_CONFIG.read_text().splitlines()[0]
+    assert first.startswith("# ") and "run_eval.py" in first
+    assert "--path stock" in first
+    for task in CONFIG["tasks"]:
+        assert all("name" in m and "value" in m for m in task["metrics"])
+    assert set(CONFIG["paths"]) == {"stock", "cross", "offload", "pool", "pp"}
+
+
+def test_stock_reaches_the_expected_values(stock):
+    assert expected_problems(CONFIG, stock) == []
+    assert stock["metrics"]["copy_mc"]["acc,none"] == 1.0
+    assert len(stock["samples"]["copy_mc"]) == 48
+    assert all(len(choices) == 8 for choices in stock["samples"]["copy_mc"])
+
+
+@pytest.mark.parametrize("path", ["cross", "pp"])
+def test_path_equals_stock(path, stock):
+    result = run_path(DEFAULT_CONFIG, path)
+    assert check(CONFIG, result, stock) == []
+    assert result["samples"] == stock["samples"]
+
+
+def test_offload_reload_equals_stock(stock):
+    result = run_path(DEFAULT_CONFIG, "offload")
+    assert check(CONFIG, result, stock) == []
+    assert result["samples"] == stock["samples"]
+    # The scored pass really ran on KV loaded back from host memory.
+    assert result["connector_totals"]["load"]["blocks"] > 0
+    assert expected_problems(CONFIG, {"metrics":
+                                      result["first_pass_metrics"]}) == []
+
+
+def test_pool_reload_equals_stock(stock):
+    with redis_server() as server:
+        result = run_path(DEFAULT_CONFIG, "pool", server.url)
+    assert check(CONFIG, result, stock) == []
+    assert result["samples"] == stock["samples"]
+    assert result["connector_totals"]["loaded_blocks"] > 0
+    assert result["connector_totals"]["load_failures"] == 0
+
+
+def test_broken_layout_fails_the_suite(stock):
+    """Every layer reading layer 0's KV: the suite must say FAIL."""
+    result = run_path(DEFAULT_CONFIG, "cross", break_layout=True)
+    problems = check(CONFIG, result, stock)
+    assert any("copy_gen exact_match" in p for p in problems)
+    assert any("samples differ from stock" in p for p in problems)
+    assert result["metrics"]["copy_gen"]["exact_match,none"] < 0.5
