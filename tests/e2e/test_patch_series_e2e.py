@@ -39,3 +39,22 @@ def test_patched_vllm_equals_the_overlay(llm_run, patched_tree):
     for p in range(2):
         assert patched.tokens(p) == overlay.tokens(p)
         assert patched.logprobs(p) == overlay.logprobs(p)
+
+
+def test_patched_scheduler_handles_kv_pressure_like_the_overlay(
+        patched_tree):
+    """patches/kv-pressure in place of KV-01..04: many async loads into a
+    small device cache neither stall nor change tokens."""
+    from conftest import _memoized
+
+    run = _memoized("run_pressure.py")
+    overlay = run({"connector": "offload"})
+    patched = run({"connector": "offload", "stall_s": 10},
+                  VLLM_OVERLAY_SKIP_PATCHES="KV-01,KV-02,KV-03,KV-04",
+                  PYTHONPATH=str(patched_tree))
+    assert not any(p["stalled"] for p in patched.passes)
+    assert patched.result["overlay"].get("deferred") is None  # no KV-01
+    assert patched.result["totals"]["load"]["blocks"] >= 16
+    for p in range(2):
+        assert [o["tokens"] for o in patched.passes[p]["outputs"]] == \
+            [o["tokens"] for o in overlay.passes[p]["outputs"]]

@@ -47,12 +47,15 @@ def test_series_applies_to_the_installed_vllm_sources(tmp_path):
 
 
 def test_runtime_patches_have_not_changed_without_their_diffs():
-    """A runtime patch changed: update its diff in patches/cross-layer, then
-    SOURCES.sha256 (sha256sum of the files it lists)."""
-    sums = PATCHES / "cross-layer" / "SOURCES.sha256"
-    for line in sums.read_text().splitlines():
-        digest, path = line.split()
-        actual = hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
-        assert actual == digest, (
-            f"{path} changed since patches/cross-layer was written: update "
-            "the diff and patches/cross-layer/SOURCES.sha256")
+    """A runtime patch changed: update its diff in patches/<series>, then
+    that series' SOURCES.sha256 (sha256sum of the files it lists)."""
+    records = sorted(PATCHES.glob("*/SOURCES.sha256"))
+    assert {r.parent.name for r in records} == {
+        p.parent.name for p in series()}, "every series records its sources"
+    for sums in records:
+        for line in sums.read_text().splitlines():
+            digest, path = line.split()
+            actual = hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
+            assert actual == digest, (
+                f"{path} changed since patches/{sums.parent.name} was "
+                f"written: update the diff and {sums.relative_to(ROOT)}")
