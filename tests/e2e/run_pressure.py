@@ -41,8 +41,10 @@ def connector_totals(worker) -> dict:
     connector = get_kv_transfer_group()
     if hasattr(connector, "pool"):
         connector.pool.drain()
-        return connector.pool.cumulative()
-    return connector.connector_worker.handler.cumulative()
+        totals = connector.pool.cumulative()
+    else:
+        totals = connector.connector_worker.handler.cumulative()
+    return {**totals, "connector_module": type(connector).__module__}
 
 
 def step_all(llm, prompts, params, stall_s: float) -> dict:

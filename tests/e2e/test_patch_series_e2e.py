@@ -41,20 +41,49 @@ def test_patched_vllm_equals_the_overlay(llm_run, patched_tree):
         assert patched.logprobs(p) == overlay.logprobs(p)
 
 
-def test_patched_scheduler_handles_kv_pressure_like_the_overlay(
-        patched_tree):
-    """patches/kv-pressure in place of KV-01..04: many async loads into a
-    small device cache neither stall nor change tokens."""
+def test_patched_vllm_offloads_under_pressure_like_the_overlay(patched_tree):
+    """The whole series with the overlay disabled: cross-layer blocks, the
+    scheduler fixes (kv-pressure) and the offloading connector all come from
+    the patched tree.  Many async loads into a small cache: no stall, the
+    overlay's tokens, one copy per block."""
     from conftest import _memoized
 
     run = _memoized("run_pressure.py")
     overlay = run({"connector": "offload"})
     patched = run({"connector": "offload", "stall_s": 10},
-                  VLLM_OVERLAY_SKIP_PATCHES="KV-01,KV-02,KV-03,KV-04",
-                  PYTHONPATH=str(patched_tree))
+                  VLLM_OVERLAY_DISABLE="1", PYTHONPATH=str(patched_tree))
+    assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
+    assert patched.result["totals"]["connector_module"] == (
+        "vllm.distributed.kv_transfer.kv_connector.v1."
+        "overlay_offloading_connector")
     assert not any(p["stalled"] for p in patched.passes)
-    assert patched.result["overlay"].get("deferred") is None  # no KV-01
+    assert patched.result["overlay"].get("deferred") is None  # not KV-01
     assert patched.result["totals"]["load"]["blocks"] >= 16
+    loads = patched.result["totals"]["load"]
+    assert loads["copy_calls"] <= loads["blocks"]  # cross-layer: 1 per block
     for p in range(2):
         assert [o["tokens"] for o in patched.passes[p]["outputs"]] == \
             [o["tokens"] for o in overlay.passes[p]["outputs"]]
+
+
+def test_patched_vllm_shares_a_pool_like_the_overlay(patched_tree):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import _memoized
+    from support.redis_server import redis_server
+
+    run = _memoized("run_pressure.py")
+    overlay = run({"connector": None}, VLLM_OVERLAY_DISABLE="1")
+    with redis_server() as server:
+        patched = run({"connector": "pool", "url": server.url,
+                       "stall_s": 10},
+                      VLLM_OVERLAY_DISABLE="1", PYTHONPATH=str(patched_tree))
+    assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
+    assert not any(p["stalled"] for p in patched.passes)
+    assert patched.result["totals"]["loaded_blocks"] >= 16
+    assert patched.result["totals"]["connector_module"] == (
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector")
+    for p in range(2):
+        assert [o["tokens"] for o in patched.passes[p]["outputs"]] == \
+            [o["tokens"] for o in overlay.passes[0]["outputs"]]

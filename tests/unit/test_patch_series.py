@@ -50,7 +50,8 @@ def test_runtime_patches_have_not_changed_without_their_diffs():
     """A runtime patch changed: update its diff in patches/<series>, then
     that series' SOURCES.sha256 (sha256sum of the files it lists)."""
     records = sorted(PATCHES.glob("*/SOURCES.sha256"))
-    assert {r.parent.name for r in records} == {
+    generated = set(_generator().SERIES)
+    assert {r.parent.name for r in records} | generated == {
         p.parent.name for p in series()}, "every series records its sources"
     for sums in records:
         for line in sums.read_text().splitlines():
@@ -59,3 +60,22 @@ def test_runtime_patches_have_not_changed_without_their_diffs():
             assert actual == digest, (
                 f"{path} changed since patches/{sums.parent.name} was "
                 f"written: update the diff and {sums.relative_to(ROOT)}")
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location(
+        "patches_generate", PATCHES / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_series_are_current():
+    """offloading/ and shared-pool/ are written by patches/generate.py from
+    the runtime modules: a module changed without its diff fails here."""
+    generator = _generator()
+    rendered = generator.render()
+    assert {p.parent.name for p in rendered} == set(generator.SERIES)
+    for path, text in rendered.items():
+        assert path.read_text() == text, (
+            f"{path.relative_to(ROOT)} is stale: python patches/generate.py")

@@ -1,0 +1,166 @@
+"""Write the offloading and shared-pool series from the runtime modules.
+
+    python patches/generate.py           # (re)write the diffs
+    python patches/generate.py --check   # exit 1 if a committed diff is stale
+
+These features are new code rather than edits of upstream functions, so
+their diffs add the overlay's modules to the vLLM tree under upstream module
+names (imports rewritten by ``MODULES``) and register the connectors and the
+offloading spec in vLLM's factories.  ``tests/unit/test_patch_series.py``
+runs ``--check``: a runtime module that changes without its diff fails.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PATCHES = ROOT / "patches"
+
+# overlay module -> upstream module (cross-layer ones come from that series)
+MODULES = {
+    "vllm_overlay.kv_layout": "vllm.v1.kv_cache_layout",
+    "vllm_overlay.cross_layer": "vllm.v1.worker.cross_layer_kv",
+    "vllm_overlay.ops.block_copy": "vllm.v1.kv_offload.block_copy",
+    "vllm_overlay.ops.triton_kernels": "vllm.v1.kv_offload.block_copy_triton",
+    "vllm_overlay.kv_tables": "vllm.v1.kv_offload.kv_tables",
+    "vllm_overlay.model_kv": "vllm.v1.kv_offload.model_kv",
+    "vllm_overlay.offload.mapping": "vllm.v1.kv_offload.worker.sub_blocks",
+    "vllm_overlay.offload.mover": "vllm.v1.kv_offload.worker.block_mover",
+    "vllm_overlay.connectors.offloading":
+        "vllm.distributed.kv_transfer.kv_connector.v1.overlay_offloading_connector",
+    "vllm_overlay.pool.codec":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.codec",
+    "vllm_overlay.pool.config":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.config",
+    "vllm_overlay.pool.pool":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.pool",
+    "vllm_overlay.pool":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool",
+    "vllm_overlay.connectors.shared_pool":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector",
+}
+
+FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
+SPEC_FACTORY = "vllm/v1/kv_offload/factory.py"
+
+
+def _register(name: str, module: str) -> str:
+    return (f'\nKVConnectorFactory.register_connector(\n    "{name}",\n'
+            f'    "{module}",\n    "{name}",\n)\n')
+
+
+OFFLOADING_REGISTRATION = _register(
+    "OverlayOffloadingConnector", MODULES["vllm_overlay.connectors.offloading"])
+POOL_REGISTRATION = _register(
+    "SharedKVPoolConnector", MODULES["vllm_overlay.connectors.shared_pool"])
+SPEC_REGISTRATION = (
+    '\nOffloadingSpecFactory.register_spec(\n    "OverlayCPUOffloadingSpec",\n'
+    f'    "{MODULES["vllm_overlay.connectors.offloading"]}",\n'
+    '    "OverlayCPUOffloadingSpec",\n)\n')
+
+# series -> [(diff name, kind, argument)]; kind "new": an overlay module as
+# a new upstream file; "append": text appended to an upstream file (the
+# text of earlier appends to the same file is part of the context).
+SERIES = {
+    "offloading": [
+        ("0001-v1-kv_offload-block_copy.patch", "new", "vllm_overlay.ops.block_copy"),
+        ("0002-v1-kv_offload-block_copy_triton.patch", "new", "vllm_overlay.ops.triton_kernels"),
+        ("0003-v1-kv_offload-kv_tables.patch", "new", "vllm_overlay.kv_tables"),
+        ("0004-v1-kv_offload-model_kv.patch", "new", "vllm_overlay.model_kv"),
+        ("0005-v1-kv_offload-worker-sub_blocks.patch", "new", "vllm_overlay.offload.mapping"),
+        ("0006-v1-kv_offload-worker-block_mover.patch", "new", "vllm_overlay.offload.mover"),
+        ("0007-kv_connector-v1-overlay_offloading_connector.patch", "new",
+         "vllm_overlay.connectors.offloading"),
+        ("0008-kv_connector-factory-offloading.patch", "append",
+         (FACTORY, OFFLOADING_REGISTRATION)),
+        ("0009-v1-kv_offload-factory.patch", "append",
+         (SPEC_FACTORY, SPEC_REGISTRATION)),
+    ],
+    "shared-pool": [
+        ("0001-kv_connector-v1-shared_pool-init.patch", "new", "vllm_overlay.pool"),
+        ("0002-kv_connector-v1-shared_pool-codec.patch", "new", "vllm_overlay.pool.codec"),
+        ("0003-kv_connector-v1-shared_pool-config.patch", "new", "vllm_overlay.pool.config"),
+        ("0004-kv_connector-v1-shared_pool-pool.patch", "new", "vllm_overlay.pool.pool"),
+        ("0005-kv_connector-v1-shared_pool_connector.patch", "new",
+         "vllm_overlay.connectors.shared_pool"),
+        ("0006-kv_connector-factory-shared_pool.patch", "append",
+         (FACTORY, POOL_REGISTRATION)),
+    ],
+}
+
+
+def source_path(module: str) -> pathlib.Path:
+    base = ROOT / module.replace(".", "/")
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def upstream_path(module: str) -> str:
+    target = MODULES[module]
+    path = target.replace(".", "/")
+    return path + ("/__init__.py" if source_path(module).name ==
+                   "__init__.py" else ".py")
+
+
+def rewrite(text: str, origin: str) -> str:
+    for ours in sorted(MODULES, key=len, reverse=True):
+        text = re.sub(rf"\b{re.escape(ours)}\b", MODULES[ours], text)
+    if "vllm_overlay" in text:
+        raise ValueError(f"{origin}: a vllm_overlay reference has no upstream "
+                         "module in MODULES")
+    return text
+
+
+def _diff(old: str, new: str, path: str) -> str:
+    lines = difflib.unified_diff(old.splitlines(keepends=True),
+                                 new.splitlines(keepends=True),
+                                 f"a/{path}", f"b/{path}")
+    return "".join(lines)
+
+
+def _new_file(text: str, path: str) -> str:
+    lines = text.splitlines(keepends=True)
+    body = "".join("+" + line for line in lines)
+    return f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n{body}"
+
+
+def render() -> dict[pathlib.Path, str]:
+    site = pathlib.Path(importlib.util.find_spec("vllm").origin).parents[1]
+    appended: dict[str, str] = {}
+    out = {}
+    for series, diffs in SERIES.items():
+        for name, kind, arg in diffs:
+            if kind == "new":
+                text = rewrite(source_path(arg).read_text(), arg)
+                diff = _new_file(text, upstream_path(arg))
+            else:
+                path, addition = arg
+                old = appended.get(path) or (site / path).read_text()
+                appended[path] = old + addition
+                diff = _diff(old, appended[path], path)
+            out[PATCHES / series / name] = diff
+    return out
+
+
+def main() -> int:
+    check = "--check" in sys.argv[1:]
+    stale = []
+    for path, text in render().items():
+        if check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path.relative_to(ROOT)))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print("stale (run python patches/generate.py):", *stale, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
