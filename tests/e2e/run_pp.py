@@ -42,6 +42,8 @@ def main(config: dict) -> dict:
     if "flag" in config:
         kwargs["additional_config"] = {"enable_pp_prop_kv_cache":
                                        config["flag"]}
+    if "flag_field" in config:  # the patches/pp-kv-budget engine argument
+        kwargs["enable_pp_prop_kv_cache"] = config["flag_field"]
     llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=512,
               enforce_eager=True, seed=0, **kwargs)
     prompts = ["The cache of the model", "One two three four five six seven",

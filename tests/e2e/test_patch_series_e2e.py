@@ -87,3 +87,27 @@ def test_patched_vllm_shares_a_pool_like_the_overlay(patched_tree):
     for p in range(2):
         assert [o["tokens"] for o in patched.passes[p]["outputs"]] == \
             [o["tokens"] for o in overlay.passes[0]["outputs"]]
+
+
+def test_patched_vllm_splits_the_pp_budget_like_the_overlay(patched_tree,
+                                                            pp_run):
+    """patches/pp-kv-budget: the engine argument enable_pp_prop_kv_cache on
+    the patched tree, overlay disabled, gives the overlay's split."""
+    partition = {"VLLM_PP_LAYER_PARTITION": "3,1"}
+    overlay = pp_run({"pp": 2, "flag": True, "kv_bytes": 16 << 20},
+                     **partition)
+    patched = pp_run({"pp": 2, "flag_field": True, "kv_bytes": 16 << 20},
+                     VLLM_OVERLAY_DISABLE="1", PYTHONPATH=str(patched_tree),
+                     **partition)
+    assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
+
+    def ranks(run):
+        return sorted(run.result["workers"], key=lambda w: w["pp_rank"])
+
+    assert [w["blocks"] for w in ranks(patched)] == \
+        [w["blocks"] for w in ranks(overlay)] == [64, 64]
+    assert [w["kv_bytes"] for w in ranks(patched)] == \
+        [w["kv_bytes"] for w in ranks(overlay)]
+    assert patched.result["tokens"] == overlay.result["tokens"]
+    assert any("PP rank 1: 1 layers" in line and "64 blocks" in line
+               for line in patched.log.splitlines())
