@@ -158,3 +158,52 @@ def test_tls_with_user_and_password(tmp_path):
             bad.close()
     with pytest.raises(ValueError, match="needs a rediss"):
         PoolConfig(url="redis://h", tls_ca_file=str(cert))
+
+
+def test_mla_cross_layer_blocks_round_trip_through_the_pool():
+    """MLA (one latent vector per token, no K/V split; the original
+    connector refused it): what the connector does per block - gather the
+    cross-layer block, encode, store; load, decode, scatter into another
+    cache - gives back the exact bytes of every layer, in any block order."""
+    import torch
+
+    from vllm_overlay.kv_layout import CrossLayerKVLayout
+    from vllm_overlay.kv_tables import cross_layer_table
+    from vllm_overlay.ops.block_copy import gather, scatter
+
+    layout = CrossLayerKVLayout(
+        dims=("blocks", "layers", "tokens", "head_size"),
+        shape=(12, 3, 16, 576), logical_dims=("blocks", "tokens", "head_size"),
+        dtype=torch.bfloat16, layer_names=("l0", "l1", "l2"), block_size=16,
+        kernel_block_size=16)
+    assert layout.kv_offsets is None
+    source = torch.randn(layout.shape).to(torch.bfloat16)
+    target = torch.zeros_like(source)
+    src_table = cross_layer_table(source, layout)
+    dst_table = cross_layer_table(target, layout)
+    assert src_table.runs_per_block == 1
+    assert src_table.block_bytes == layout.block_bytes == 3 * 16 * 576 * 2
+    blocks = torch.tensor([7, 2, 11, 0], dtype=torch.int64)
+    staging = torch.empty(len(blocks), layout.block_bytes, dtype=torch.uint8)
+    gather(src_table, blocks, staging, "dma")
+    keys = [b"mla%d" % b for b in blocks.tolist()]
+    with redis_server() as server:
+        pool = KVPool(PoolConfig(url=server.url))
+        try:
+            pool.submit_store([(k, codec.encode(NS, k, row.numpy().data))
+                               for k, row in zip(keys, staging)])
+            assert pool.drain()
+            pool.submit_load("j", keys)
+            assert pool.drain()
+            (_, values), = pool.poll_loads()
+        finally:
+            pool.close()
+    rows = [torch.frombuffer(codec.decode(NS, k, v, layout.block_bytes),
+                             dtype=torch.uint8) for k, v in zip(keys, values)]
+    into = torch.tensor([1, 5, 9, 3], dtype=torch.int64)
+    scatter(dst_table, into, torch.stack(rows), "dma")
+    for src, dst in zip(blocks.tolist(), into.tolist()):
+        assert torch.equal(target[dst].view(torch.int16),
+                           source[src].view(torch.int16))
+    untouched = [b for b in range(12) if b not in into.tolist()]
+    assert not target[untouched].any()
