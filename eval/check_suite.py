@@ -37,8 +37,10 @@ DEFAULT_CONFIG = HERE / "configs" / "copy-llama.yaml"
 def run_path(config_path, path: str, pool_url: str | None = None,
              break_layout: bool = False, timeout: int = 1200) -> dict:
     """One path in a fresh process; returns run_eval.py's result."""
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
+    out.close()
     cmd = [sys.executable, str(HERE / "run_eval.py"), "--config",
-           str(config_path), "--path", path]
+           str(config_path), "--path", path, "--out", out.name]
     if pool_url:
         cmd += ["--pool-url", pool_url]
     if break_layout:
@@ -46,13 +48,16 @@ def run_path(config_path, path: str, pool_url: str | None = None,
     env = dict(os.environ)
     if path == "stock":
         env["VLLM_OVERLAY_DISABLE"] = "1"
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT:")]
-    if proc.returncode or not lines:
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
+        text = pathlib.Path(out.name).read_text()
+    finally:
+        os.unlink(out.name)
+    if proc.returncode or not text:
         raise RuntimeError(f"{' '.join(cmd)} failed (rc={proc.returncode}):"
                            f"\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return json.loads(lines[-1][len("RESULT:"):])
+    return json.loads(text)
 
 
 def expected_problems(config: dict, result: dict) -> list[str]:

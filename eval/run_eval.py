@@ -11,7 +11,7 @@ runs PP=2 with the proportional KV budget.  ``--break-layout`` aliases every
 layer's view of the cross-layer buffer to layer 0 (proves the suite catches
 a broken layout).
 
-Output after ``RESULT:``: metrics per task, and per task and sample (by doc
+Output after ``RESULT:`` (and in ``--out FILE``): metrics per task, and per task and sample (by doc
 id) each response: a loglikelihood for loglikelihood-type tasks, the text
 for generate_until.
 """
@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--path", required=True, choices=PATHS)
     parser.add_argument("--pool-url")
     parser.add_argument("--break-layout", action="store_true")
+    parser.add_argument("--out", help="also write the JSON result here "
+                        "(worker processes share stdout in the pp path)")
     args = parser.parse_args()
     config = load_config(args.config)
     if args.path not in config["paths"]:
@@ -142,7 +144,10 @@ def main() -> None:
         result = evaluate(lm, config)
         result["first_pass_metrics"] = first["metrics"]
         result["connector_totals"] = lm.model.collective_rpc(_totals)[0]
-    print("RESULT:" + json.dumps(result))
+    text = json.dumps(result)
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
+    print("RESULT:" + text)
 
 
 def _drain_pool(worker) -> None:

@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -16,16 +17,18 @@ HERE = pathlib.Path(__file__).parent
 class LLMRun:
     def __init__(self, config: dict, env: dict[str, str],
                  script: str = "run_llm.py") -> None:
-        full_env = {**os.environ, **env}
-        proc = subprocess.run(
-            [sys.executable, str(HERE / script), json.dumps(config)],
-            env=full_env, capture_output=True, text=True, timeout=300)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp) / "result.json"
+            full_env = {**os.environ, **env, "OVERLAY_RESULT_FILE": str(out)}
+            proc = subprocess.run(
+                [sys.executable, str(HERE / script), json.dumps(config)],
+                env=full_env, capture_output=True, text=True, timeout=300)
+            text = out.read_text() if out.exists() else ""
         self.log = proc.stdout + proc.stderr
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT:")]
-        if proc.returncode != 0 or not lines:
+        if proc.returncode != 0 or not text:
             raise AssertionError(f"vLLM run {config} {env} failed "
                                  f"(rc={proc.returncode}):\n{self.log[-6000:]}")
-        self.result = json.loads(lines[-1][len("RESULT:"):])
+        self.result = json.loads(text)
         self.passes = self.result.get("passes")
         self.kv = self.result.get("kv")
 

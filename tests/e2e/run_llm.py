@@ -141,5 +141,7 @@ def main(config: dict) -> dict:
 
 
 if __name__ == "__main__":
+    from result_out import emit
+
     result = main(json.loads(sys.argv[1]))
-    print("RESULT:" + json.dumps(result))
+    emit(result)

@@ -113,4 +113,6 @@ def copy_namespace(connector, source_prefix: str) -> None:
 
 
 if __name__ == "__main__":
-    print("RESULT:" + json.dumps(main(json.loads(sys.argv[1]))))
+    from result_out import emit
+
+    emit(main(json.loads(sys.argv[1])))

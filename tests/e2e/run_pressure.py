@@ -126,4 +126,6 @@ def main(config: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT:" + json.dumps(main(json.loads(sys.argv[1]))))
+    from result_out import emit
+
+    emit(main(json.loads(sys.argv[1])))
