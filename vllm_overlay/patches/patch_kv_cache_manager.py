@@ -31,7 +31,7 @@ logger = logging.getLogger("vllm.overlay")
 
 def parked_deficits(manager) -> dict[str, int]:
     """request id -> blocks still needed, for each request parked on an
-    async KV load (shared with KV-03)."""
+    async KV load."""
     return manager.__dict__.setdefault("vllm_overlay_parked", {})
 
 
