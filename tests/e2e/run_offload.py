@@ -7,7 +7,10 @@ Config: ``connector`` ("offload" | null for stock), ``block_factor``
 the reload), ``unaligned`` (before the reload, compute the first cache block
 again so the device prefix hit is not aligned to the offloaded block),
 ``method`` (transfer_method), ``multiprocess`` (EngineCore in its own
-process, with vLLM's stat logging on).
+process, with vLLM's stat logging on), ``keep_device_cache`` (skip the
+reset: the second pass is served from vLLM's own device prefix cache; with
+the overlay disabled this is the bit-exact reference for a reload, since it
+has the same hit length and the same schedule).
 
 Steps: generate the prompts; flush; reset the prefix cache (device KV is
 gone, the host pool keeps the offloaded blocks); optionally corrupt or
@@ -84,7 +87,8 @@ def main(config: dict) -> dict:
     # Stores finish asynchronously; one more step lets them complete and
     # frees the blocks, so the reset really empties the device cache.
     llm.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)
-    llm.reset_prefix_cache()
+    if not config.get("keep_device_cache"):
+        llm.reset_prefix_cache()
     after_first = llm.collective_rpc(handler_info,
                                      args=(config.get("corrupt", False),))[0]
     if config.get("unaligned"):

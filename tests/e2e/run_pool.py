@@ -8,7 +8,10 @@ Config: ``url`` (null: no pool, stock run), ``namespace``, ``cluster``,
 namespace, as a misconfigured or malicious writer would), ``kill_pid`` (kill
 this process, the pool server, after the first pass, then run a second pass
 with other prompts), ``restart`` ([port, dir]: start redis-server again
-there and run a third pass).
+there and run a third pass), ``repeat`` (run the prompts a second time
+in the same engine: that pass is served from vLLM's own device prefix
+cache; with no pool this is stock's bit-exact reference for a pool load,
+the same hit length and, one request at a time, the same schedule).
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def main(config: dict) -> dict:
                  "cached_tokens": o.num_cached_tokens or 0} for o in outs]
 
     passes = [run(config.get("prompts", "shared"))]
+    if config.get("repeat"):
+        passes.append(run(config.get("prompts", "shared")))
     if config.get("kill_pid"):
         os.kill(config["kill_pid"], 9)
         time.sleep(0.2)
