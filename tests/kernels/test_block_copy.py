@@ -8,6 +8,8 @@ in the interpreter (TRITON_INTERPRET=1, set in conftest.py).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,19 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
 LAYOUTS = ["cross_layer", "cross_layer_views", "kv_first", "blocks_first"]
 BLOCK_SIZES = [16, 128]
 LAYERS, HEADS, HEAD_SIZE = 3, 2, 32
+
+
+@pytest.fixture(autouse=True)
+def _cpu_triton_needs_the_interpreter(request):
+    """On a GPU machine run with TRITON_INTERPRET=0, Triton cannot launch
+    on CPU tensors: those cases run in CI's interpreter instead."""
+    callspec = getattr(request.node, "callspec", None)
+    params = callspec.params if callspec else {}
+    uses_triton = (params.get("method") == "triton"
+                   or "triton" in request.node.name.split("[")[0])
+    if (uses_triton and params.get("device") == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
 
 
 def random_cache(layout: str, num_blocks: int, block_size: int, dtype,
@@ -225,3 +240,55 @@ def test_coarsen_groups_kernel_blocks_into_cache_blocks():
             assert coarse.runs_per_block == 1
     with pytest.raises(ValueError, match="not a multiple"):
         fine.coarsen(5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("skew,word,vec", [(0, 4, 4), (8, 8, 1), (4, 4, 1),
+                                           (2, 2, 1), (1, 1, 1)])
+@torch.inference_mode()
+def test_triton_variant_follows_alignment_and_odd_alignments_copy(
+        device, skew, word, vec):
+    """Segments 16-byte aligned: the 128-bit variant; any other alignment
+    (caches starting ``skew`` bytes into their storage, 48-byte runs):
+    the fallback, with the same bytes."""
+    from vllm_overlay.ops.block_copy import _word_size
+
+    num_blocks, n = 7, 4
+    gen = torch.Generator().manual_seed(8)
+    raw = torch.randint(0, 256, (LAYERS, 2 * num_blocks * 48 + 16),
+                        dtype=torch.uint8, generator=gen).to(device)
+    tensors = [r[skew:skew + 2 * num_blocks * 48].view(2, num_blocks, 48)
+               for r in raw]
+    table = BlockTable.from_tensors(tensors, 1)
+    packed = torch.full((n, table.block_bytes), 0xAB, dtype=torch.uint8,
+                        device=device)
+    assert _word_size(table, packed, table.segments[0].storage) == (word, vec)
+    ids = random_ids(num_blocks, n, seed=9)
+    gather(table, ids, packed, method="triton")
+    want = torch.stack([torch.cat([t[k, b] for t in tensors for k in (0, 1)])
+                        for b in ids.tolist()])
+    assert torch.equal(packed.cpu(), want.cpu())
+    fresh = torch.randint(0, 256, packed.shape, dtype=torch.uint8,
+                          generator=gen).to(device)
+    before = [t.clone() for t in tensors]
+    scatter(table, ids, fresh, method="triton")
+    for i, b in enumerate(ids.tolist()):
+        got = torch.cat([t[k, b] for t in tensors for k in (0, 1)])
+        assert torch.equal(got.cpu(), fresh[i].cpu())
+    for t, old in zip(tensors, before):
+        keep = [b for b in range(num_blocks) if b not in ids.tolist()]
+        assert torch.equal(t[:, keep], old[:, keep])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_segment_table_is_cached_on_the_device(device):
+    tensors, blocks_dim, _ = random_cache("kv_first", 6, 16, torch.float16,
+                                          device)
+    table = BlockTable.from_tensors(tensors, blocks_dim)
+    packed = torch.empty(2, table.block_bytes, dtype=torch.uint8,
+                         device=device)
+    gather(table, torch.tensor([1, 4]), packed, method="triton")
+    _, meta, longest = table._device_meta[4]  # aligned: int32 words
+    assert meta[0].device.type == torch.device(device).type
+    gather(table, torch.tensor([0, 5]), packed, method="triton")
+    assert table._device_meta[4][1] is meta

@@ -68,6 +68,10 @@ class BlockTable:
     segments: tuple[Segment, ...]
     num_blocks: int
     device: torch.device
+    # Triton segment tables already on ``device``, by word size (no
+    # host-to-device copy per transfer); filled by ``triton_copy``.
+    _device_meta: dict = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -140,19 +144,32 @@ class BlockTable:
             if rows != n:
                 raise ValueError(f"packed buffer must be contiguous with "
                                  f"{n} x {self.block_bytes} B, got {rows} rows")
-            packed_ids = torch.arange(n, dtype=torch.int64)
+            packed_ids = torch.arange(n, dtype=torch.int64,
+                                      device=block_ids.device)
         elif packed_ids.numel() != n:
             raise ValueError(f"{n} block ids but {packed_ids.numel()} packed "
                              "ids")
+        if n and not block_ids.is_cuda and not packed_ids.is_cuda:
+            # Host ids (the usual case): plain Python is cheapest.
+            b, p = block_ids.tolist(), packed_ids.tolist()
+            b_lo, b_hi, p_lo, p_hi = min(b), max(b), min(p), max(p)
+            dup = len(set(p if to_packed else b)) != n
+        elif n:
+            # One device sync at most (ids may live on the GPU).
+            dst = (packed_ids if to_packed else block_ids).sort().values
+            dev = block_ids.device
+            b_lo, b_hi, p_lo, p_hi, dup = torch.stack([
+                block_ids.min(), block_ids.max(), packed_ids.min().to(dev),
+                packed_ids.max().to(dev),
+                (dst[1:] == dst[:-1]).any().to(dev, torch.int64)]).tolist()
         if n:
-            for name, ids, limit in (("block", block_ids, self.num_blocks),
-                                     ("packed", packed_ids, rows)):
-                lo, hi = int(ids.min()), int(ids.max())
+            for name, lo, hi, limit in (
+                    ("block", b_lo, b_hi, self.num_blocks),
+                    ("packed", p_lo, p_hi, rows)):
                 if lo < 0 or hi >= limit:
                     raise IndexError(f"{name} ids must be in [0, {limit}), "
                                      f"got [{lo}, {hi}]")
-            dst = packed_ids if to_packed else block_ids
-            if dst.unique().numel() != n:
+            if dup:
                 raise ValueError("duplicate destination block ids")
         return packed_ids
 
@@ -241,15 +258,47 @@ def dma_copy(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
 
 
 # -- Triton: one launch per transfer ------------------------------------------------
+_VEC_BYTES = 16  # one 128-bit access
+
+
 def _word_size(table: BlockTable, packed: torch.Tensor,
-               ref: torch.UntypedStorage) -> int:
-    ref_ptr = ref.data_ptr()
-    values = [packed.data_ptr(), table.block_bytes]
-    for seg in table.segments:
-        values += [seg.storage.data_ptr() + seg.offset - ref_ptr, seg.stride,
-                   seg.length]
-    gcd = math.gcd(*values)
-    return next(w for w in (8, 4, 2, 1) if gcd % w == 0)
+               ref: torch.UntypedStorage) -> tuple[int, int]:
+    """(word bytes, words per access): int32 x 4 (128-bit accesses) when
+    every address, offset, stride and length is a multiple of 16 bytes;
+    else the widest word that divides them all, one word per access."""
+    table_gcd = table._device_meta.get("gcd")
+    if table_gcd is None:  # the table's part, once
+        ref_ptr = ref.data_ptr()
+        values = [ref_ptr, table.block_bytes]
+        for seg in table.segments:
+            values += [seg.storage.data_ptr() + seg.offset - ref_ptr,
+                       seg.stride, seg.length]
+        table_gcd = table._device_meta["gcd"] = math.gcd(*values)
+    gcd = math.gcd(table_gcd, packed.data_ptr())
+    if gcd % _VEC_BYTES == 0:
+        return 4, _VEC_BYTES // 4
+    return next(w for w in (8, 4, 2, 1) if gcd % w == 0), 1
+
+
+def _device_meta(table: BlockTable, word: int, ref: torch.UntypedStorage
+                 ) -> tuple:
+    """The cache viewed as words, the segment table in words (four int64
+    rows on the table's device: source offset, stride, offset in the packed
+    block, length) and the longest length; built and copied to the device
+    once per word size."""
+    cached = table._device_meta.get(word)
+    if cached is None:
+        lengths = [s.length // word for s in table.segments]
+        meta = torch.tensor(
+            [[(s.storage.data_ptr() + s.offset - ref.data_ptr()) // word
+              for s in table.segments],
+             [s.stride // word for s in table.segments],
+             [sum(lengths[:i]) for i in range(len(lengths))],
+             lengths], dtype=torch.int64).to(table.device)
+        cached = (_storage_as(ref, _WORDS[word], table.device),
+                  tuple(meta), max(lengths))
+        table._device_meta[word] = cached
+    return cached
 
 
 def triton_copy(table: BlockTable, block_ids: torch.Tensor,
@@ -259,7 +308,9 @@ def triton_copy(table: BlockTable, block_ids: torch.Tensor,
     """One kernel launch moves every run of every block.
 
     On a GPU ``packed`` may be pinned host memory (written over PCIe by the
-    kernel, zero copy).  On CPU it runs with ``TRITON_INTERPRET=1``."""
+    kernel, zero copy).  On CPU it runs with ``TRITON_INTERPRET=1``.  When
+    everything is 16-byte aligned the kernel's aligned variant moves 128
+    bits per access; otherwise the fallback variant (any alignment)."""
     from vllm_overlay.ops.triton_kernels import copy_blocks_kernel
 
     packed_ids = table.check(block_ids, packed, packed_ids, to_packed)
@@ -267,25 +318,23 @@ def triton_copy(table: BlockTable, block_ids: torch.Tensor,
     if n == 0:
         return 0
     ref = table.segments[0].storage
-    word = _word_size(table, packed, ref)
-    wdtype = _WORDS[word]
+    word, vec = _word_size(table, packed, ref)
     dev = table.device
-    ref_words = _storage_as(ref, wdtype, dev)
-    meta = torch.tensor(
-        [[(s.storage.data_ptr() + s.offset - ref.data_ptr()) // word
-          for s in table.segments],
-         [s.stride // word for s in table.segments],
-         [0] * len(table.segments),
-         [s.length // word for s in table.segments]], dtype=torch.int64)
-    meta[2, 1:] = torch.cumsum(meta[3], 0)[:-1]
-    meta = meta.to(dev)
-    longest = int(meta[3].max())
+    ref_words, meta, longest = _device_meta(table, word, ref)
+    if block_ids.device != dev or packed_ids.device != dev:
+        # Both id lists in one host-to-device copy (pinned: asynchronous).
+        ids = torch.stack([block_ids.cpu(), packed_ids.cpu()])
+        if dev.type == "cuda":
+            ids = ids.pin_memory()
+        ids = ids.to(dev, non_blocking=True)
+        block_ids, packed_ids = ids[0], ids[1]
     chunk = min(chunk_words, 1 << (longest - 1).bit_length())
+    chunk = max(chunk, vec)
     grid = (n, len(table.segments), -(-longest // chunk))
     copy_blocks_kernel[grid](
-        ref_words, packed.view(wdtype), block_ids.to(dev),
-        packed_ids.to(dev), meta[0], meta[1], meta[2], meta[3],
-        table.block_bytes // word, TO_PACKED=to_packed, CHUNK=chunk)
+        ref_words, packed.view(_WORDS[word]), block_ids, packed_ids, *meta,
+        table.block_bytes // word, TO_PACKED=to_packed, CHUNK=chunk,
+        VEC=vec)
     return 1
 
 
