@@ -8,6 +8,13 @@ GPU blocks), the separator, and the first 4-40 tokens of the copy.
 
 Deterministic: run it again and the files are identical.
 
+The YAMLs load their documents through ``load_copy_dataset`` below
+(``custom_dataset: !function make_copy_tasks.load_copy_dataset``; lm-eval
+imports the module from the YAML's own folder), which resolves
+``data_files`` against this folder: the tasks work from any working
+directory (``lm_eval --include_path /abs/eval/tasks``), whereas plain
+``dataset_kwargs: data_files`` is resolved against the current directory.
+
     python eval/tasks/make_copy_tasks.py
 """
 
@@ -17,12 +24,13 @@ import json
 import pathlib
 import random
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).resolve().parent
 SEED, DOCS, NUM_TOKENS = 2024, 48, 64
 
 MC = """\
 task: copy_mc
 dataset_path: json
+custom_dataset: !function make_copy_tasks.load_copy_dataset
 dataset_kwargs:
   data_files:
     test: copy.jsonl
@@ -39,6 +47,7 @@ metric_list:
 GEN = """\
 task: copy_gen
 dataset_path: json
+custom_dataset: !function make_copy_tasks.load_copy_dataset
 dataset_kwargs:
   data_files:
     test: copy.jsonl
@@ -56,6 +65,18 @@ metric_list:
   - metric: exact_match
     regexes_to_ignore: ["\\\\s+"]
 """
+
+
+def load_copy_dataset(data_files: dict[str, str], **_metadata):
+    """lm-eval ``custom_dataset``: the JSON documents, paths relative to here.
+
+    lm-eval calls it with the task's ``dataset_kwargs`` (and any
+    ``--metadata``, ignored).
+    """
+    import datasets
+
+    files = {split: str(HERE / path) for split, path in data_files.items()}
+    return datasets.load_dataset("json", data_files=files)
 
 
 def documents() -> list[dict]:
