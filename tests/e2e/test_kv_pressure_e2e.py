@@ -18,8 +18,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 from support.redis_server import redis_server  # noqa: E402
 
 from conftest import _memoized  # noqa: E402
-
-RTOL_LOGPROB = 1e-4  # a suffix computed over loaded KV vs in one piece
+from tolerances import STOCK_FLOAT32_DRIFT, max_abs_diff  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +31,13 @@ def outputs(run, p):
 
 
 def assert_same_outputs(got, want):
+    """Same tokens; logprobs within stock's own drift.  Under KV pressure the
+    loads reorder and preempt requests, so no stock run has the reload's
+    schedule; a suffix computed over loaded KV differs from the same suffix
+    computed in one piece by no more than stock's hit-vs-recompute drift."""
     assert [o["tokens"] for o in got] == [o["tokens"] for o in want]
-    for g, w in zip(got, want):
-        assert g["logprobs"] == pytest.approx(w["logprobs"], abs=RTOL_LOGPROB)
+    assert max_abs_diff([o["logprobs"] for o in got],
+                        [o["logprobs"] for o in want]) <= STOCK_FLOAT32_DRIFT
 
 
 def test_offload_many_loads_small_cache(pressure):
