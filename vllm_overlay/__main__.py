@@ -221,11 +221,18 @@ def main(argv: list[str] | None = None) -> int:
                      help="import every patch target module and report what "
                      "was applied (imports most of vLLM: slower)")
     sub.add_parser("catalogue", help="print the patch catalogue (Markdown)")
-    demo = sub.add_parser("demo", help="run vLLM with the overlay on the "
-                          "built-in tiny model")
-    demo.add_argument("--dtype", default="float32",
-                      choices=["float32", "bfloat16"])
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo = sub.add_parser(
+        "demo", help="the copy model: recompute, device hit, reload from "
+        "host memory and from a Redis pool, as one table")
+    demo.add_argument("--no-pool", action="store_true",
+                      help="skip the Redis pool row")
+    demo.add_argument("--no-stock-layout", action="store_true",
+                      help="skip the stock per-layer layout row")
+    demo.add_argument("--prompts", type=int, default=4)
+    demo.add_argument("--max-tokens", type=int, default=8)
+    demo.add_argument("--json", help="also write the results to this file")
+    demo.add_argument("--verbose", action="store_true",
+                      help="keep vLLM's INFO logs")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return doctor(deep=args.deep)
@@ -233,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         return catalogue()
     from vllm_overlay.demo import run_demo
 
-    return run_demo(dtype=args.dtype, max_tokens=args.max_tokens)
+    return run_demo(pool=not args.no_pool,
+                    stock_layout=not args.no_stock_layout,
+                    num_prompts=args.prompts, max_tokens=args.max_tokens,
+                    json_path=args.json, verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""The demo (``python -m vllm_overlay demo``) end to end: it prints its table,
+the copy model still copies exactly after its KV came back from host memory
+(and from a Redis pool in another process when redis-server exists), and the
+connectors really moved blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HAS_REDIS = shutil.which("redis-server") is not None
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "demo.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay", "demo", "--json", str(out)], env=env, capture_output=True, text=True,
+        timeout=420)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    summary = json.loads(out.read_text())
+    return text, summary, {row["path"]: row for row in summary["rows"]}
+
+
+def test_table_is_printed(demo):
+    text, summary, rows = demo
+    assert "| path" in text and "| host reload " in text
+    assert "KV cache layout (offload engine): KV cache layout: cross-layer " \
+        "blocks" in text
+    assert "TTFT:" in text and "* Recompute can beat a reload" in text
+    assert not summary["errors"]
+
+
+def test_copy_exact_after_host_reload(demo):
+    _, _, rows = demo
+    cold, reload = rows["recompute (cold)"], rows["host reload"]
+    assert cold["copy"]["all_exact"] and cold["copy"]["accuracy"] == 1.0
+    assert reload["copy"]["all_exact"]
+    assert reload["copy"]["same_tokens_as_recompute"]
+    # The reload really came from the host pool: blocks moved, one copy per
+    # block (cross-layer), and the prefix was not recomputed.
+    assert reload["blocks_in"] > 0
+    assert reload["bytes_in"] == reload["blocks_in"] * 131072
+    assert reload["copies_per_block"] == 1
+    assert reload["cached_tokens"] == reload["blocks_in"] * 128
+    assert rows["device prefix hit"]["blocks_in"] == 0
+
+
+def test_stock_layout_row_copies_per_layer(demo):
+    _, _, rows = demo
+    stock = rows["host reload, stock layout"]
+    assert stock["copy"]["all_exact"] and stock["blocks_in"] > 0
+    assert stock["copies_per_block"] == 2 * 2  # K and V of 2 layers
+
+
+@pytest.mark.skipif(not HAS_REDIS, reason="redis-server is not on PATH")
+def test_copy_exact_after_pool_reload_in_another_process(demo):
+    _, summary, rows = demo
+    assert summary["pool_note"] is None
+    pool = rows["pool reload (2nd process)"]
+    assert pool["copy"]["all_exact"] and pool["copy"]["same_tokens_as_recompute"]
+    assert pool["blocks_in"] > 0 and pool["copies_per_block"] == 1
+    assert pool["cached_tokens"] == pool["blocks_in"] * 128
+
+
+@pytest.mark.skipif(HAS_REDIS, reason="redis-server is on PATH")
+def test_pool_row_skip_is_explained(demo):
+    text, summary, rows = demo
+    assert "pool reload row skipped: redis-server is not on PATH" in text
+    assert "pool reload (2nd process)" not in rows
