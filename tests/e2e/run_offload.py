@@ -6,7 +6,8 @@ Config: ``connector`` ("offload" | null for stock), ``block_factor``
 (offloaded block = N cache blocks), ``corrupt`` (zero the host pool before
 the reload), ``unaligned`` (before the reload, compute the first cache block
 again so the device prefix hit is not aligned to the offloaded block),
-``method`` (transfer_method), ``multiprocess`` (EngineCore in its own
+``method`` (transfer_method), ``seeded`` (sample with temperature 1 and
+a per-request seed instead of greedy), ``multiprocess`` (EngineCore in its own
 process, with vLLM's stat logging on), ``keep_device_cache`` (skip the
 reset: the second pass is served from vLLM's own device prefix cache; with
 the overlay disabled this is the bit-exact reference for a reload, since it
@@ -72,7 +73,11 @@ def main(config: dict) -> dict:
               max_model_len=1024, num_gpu_blocks_override=48,
               enforce_eager=True, seed=0, disable_log_stats=not multiprocess,
               kv_transfer_config=kv_transfer_config)
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    if config.get("seeded"):  # random sampling, reproducible per request
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234,
+                                max_tokens=16, logprobs=1)
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     prompts = [prompt(620, 0), prompt(330, 3)]
 
     def run() -> list[dict]:

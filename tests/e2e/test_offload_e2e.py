@@ -49,6 +49,18 @@ def test_reload_from_host_equals_stock_device_hit(offload_run):
     assert_same_outputs(run, stock)
 
 
+def test_seeded_sampling_after_reload_equals_stock_device_hit(offload_run):
+    """Random sampling with a per-request seed: the reload path samples
+    exactly stock's tokens, with stock's logprobs."""
+    stock = offload_run({"keep_device_cache": True, "seeded": True}, **STOCK)
+    run = offload_run({"connector": "offload", "seeded": True})
+    assert run.result["totals"]["load"]["blocks"] >= 6
+    greedy = offload_run({"keep_device_cache": True}, **STOCK)
+    assert [x["tokens"] for x in stock.passes[1]] != \
+        [x["tokens"] for x in greedy.passes[1]]  # really sampled
+    assert_same_outputs(run, stock)
+
+
 def test_corrupted_host_blocks_change_the_output(offload_run):
     """The reloaded bytes are really used: zero them and the output moves."""
     stock = offload_run({"keep_device_cache": True}, **STOCK)
