@@ -66,5 +66,6 @@ def test_marked_tests_fail_without_their_patch(report, patch_id):
             f"{result['outcome']} without it:\n{result.get('text', '')}")
         # Failing only because the test asked the registry for the stock
         # method of the missing patch proves nothing about the patch.
-        assert "has no original" not in result["text"], (nodeid,
-                                                          result["text"])
+        assert "has no original" not in result["text"], (
+            f"{nodeid} fails without {patch_id} only because it asks "
+            f"REGISTRY.original for the stock method:\n{result['text']}")
