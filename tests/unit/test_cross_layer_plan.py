@@ -164,3 +164,159 @@ def test_order_that_does_not_keep_blocks_outermost(overlay, connector):
     runner, config = make_case(backend=LayersOuter)
     plan = plan_cross_layer_kv_cache(runner, config, [16])
     assert not plan.enabled and "'blocks' must be outermost" in plan.reason
+
+
+# -- The patched model runner and connector base (CL-07..CL-10) ------------
+# Stand-in runners: a GPUModelRunner without __init__ (no model, no device),
+# carrying only what the two KV cache methods read.  The end-to-end tests
+# run the real runner.
+
+
+@pytest.mark.patch_test("CL-07")
+def test_connectors_do_not_opt_in_unless_they_say_so(overlay):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+        KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1 import \
+        shared_storage_connector
+
+    assert KVConnectorBase_V1.prefer_cross_layer_blocks is False
+    assert shared_storage_connector.SharedStorageConnector \
+        .prefer_cross_layer_blocks is False
+
+
+def model_runner(connector_agent=None):
+    """A GPUModelRunner for make_case()'s four layers, with the stock
+    helpers that initialize_kv_cache calls before the tensors as no-ops."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
+
+    stand_in, config = make_case()
+    group = stand_in.attn_groups[0][0]
+    runner = object.__new__(GPUModelRunner)
+    runner.attn_groups = [[AttentionGroup(group.backend, list(LAYERS),
+                                          group.kv_cache_spec, 0)]]
+    runner.runner_only_attn_layers = set()
+    runner.cache_config = stand_in.cache_config
+    runner.kv_cache_config = config
+    runner.device = torch.device("cpu")
+    runner.shared_kv_cache_layers = {}
+    runner.model_config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(model_type="llama"))
+    runner.compilation_config = types.SimpleNamespace(
+        static_forward_context={n: types.SimpleNamespace(kv_cache=None)
+                                for n in LAYERS})
+    runner.kv_caches = []
+    runner.speculative_config = None
+    runner.dcp_world_size = 1
+    return runner, config
+
+
+@pytest.mark.patch_test("CL-09")
+def test_runner_allocates_one_buffer_for_all_layers(overlay, connector):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner, config = model_runner()
+    kv_caches = GPUModelRunner.initialize_kv_cache_tensors(runner, config,
+                                                           [16])
+    buffer = runner.cross_layers_kv_cache
+    assert buffer is not None and buffer.is_contiguous()
+    assert runner.cross_layers_kv_layout.shape == tuple(buffer.shape) == (
+        6, 4, 2, 2, 16, 32)
+    assert runner.cross_layers_attn_backend is runner.attn_groups[0][0].backend
+    # Every layer is a view of the one buffer, bound like stock binds.
+    assert set(kv_caches) == set(LAYERS)
+    for name in LAYERS:
+        view = kv_caches[name]
+        assert view.untyped_storage().data_ptr() == \
+            buffer.untyped_storage().data_ptr()
+        assert runner.compilation_config.static_forward_context[
+            name].kv_cache == [view]
+    assert len(runner.kv_caches) == 4
+
+
+def test_runner_keeps_stock_tensors_without_an_opted_in_connector(overlay,
+                                                                 connector):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    connector.prefer_cross_layer_blocks = False
+    runner, config = model_runner()
+    kv_caches = GPUModelRunner.initialize_kv_cache_tensors(runner, config,
+                                                           [16])
+    assert runner.cross_layers_kv_cache is None
+    assert len({v.untyped_storage().data_ptr()
+                for v in kv_caches.values()}) == 4
+
+
+class _RecordingConnector:
+    prefer_cross_layer_blocks = True
+
+    def __init__(self):
+        self.calls = []
+
+    def register_kv_caches(self, kv_caches):
+        self.calls.append(("register_kv_caches", kv_caches))
+
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend, layout):
+        self.calls.append(("register_cross_layers_kv_cache", kv_cache,
+                           attn_backend, layout))
+
+    def set_host_xfer_buffer_ops(self, copy_operation):
+        pass
+
+
+def initialize_kv_cache(runner, config, agent, monkeypatch):
+    """Run GPUModelRunner.initialize_kv_cache with a cross-layer buffer
+    already made (CL-09's part stubbed: this is CL-10's routing only)."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    buffer = torch.zeros(8)
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", agent)
+    for name in ("may_add_encoder_only_layers_to_kv_cache_config",
+                 "maybe_add_kv_sharing_layers_to_kv_cache_groups",
+                 "initialize_attn_backend", "initialize_metadata_builders",
+                 "may_reinitialize_input_batch"):
+        monkeypatch.setattr(runner, name, lambda *args: None, raising=False)
+    monkeypatch.setattr(runner, "_prepare_kernel_block_sizes",
+                        lambda config: [16], raising=False)
+
+    def tensors(config, kernel_block_sizes):
+        runner.cross_layers_kv_cache = buffer
+        runner.cross_layers_attn_backend = "BACKEND"
+        runner.cross_layers_kv_layout = "LAYOUT"
+        return {"layer": buffer}
+
+    monkeypatch.setattr(runner, "initialize_kv_cache_tensors", tensors,
+                        raising=False)
+    GPUModelRunner.initialize_kv_cache(runner, config)
+    return buffer
+
+
+@pytest.mark.patch_test("CL-10")
+def test_runner_hands_the_buffer_to_an_opted_in_connector(overlay,
+                                                          monkeypatch):
+    runner, config = model_runner()
+    agent = _RecordingConnector()
+    buffer = initialize_kv_cache(runner, config, agent, monkeypatch)
+    assert agent.calls == [("register_cross_layers_kv_cache", buffer,
+                            "BACKEND", "LAYOUT")]
+    assert "register_kv_caches" not in vars(agent)  # the routing is undone
+
+
+@pytest.mark.patch_test("CL-08")
+def test_connector_base_accepts_the_buffer(overlay, monkeypatch):
+    """An opted-in connector that does not override the new method gets
+    the base's (which ignores it), not an AttributeError."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import \
+        shared_storage_connector
+
+    class OptedIn(shared_storage_connector.SharedStorageConnector):
+        prefer_cross_layer_blocks = True
+
+        def register_kv_caches(self, kv_caches):
+            raise AssertionError("per-layer registration with a buffer")
+
+    runner, config = model_runner()
+    agent = object.__new__(OptedIn)
+    initialize_kv_cache(runner, config, agent, monkeypatch)
+    assert agent.register_cross_layers_kv_cache(None, None, None) is None

@@ -63,17 +63,20 @@ def engine_config(monkeypatch, partition=None, **kwargs):
 FLAG = {"additional_config": {"enable_pp_prop_kv_cache": True}}
 
 
+@pytest.mark.patch_test("PP-03")
 def test_flag_needs_a_byte_budget(overlay, monkeypatch):
     with pytest.raises(ValueError, match="needs --kv-cache-memory-bytes"):
         engine_config(monkeypatch, **FLAG)
 
 
+@pytest.mark.patch_test("PP-03")
 def test_partition_must_match_the_model(overlay, monkeypatch):
     with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION='3,3' does "
                        "not split the model's 4 layers over 2"):
         engine_config(monkeypatch, "3,3", kv_cache_memory_bytes=2**24, **FLAG)
 
 
+@pytest.mark.patch_test("PP-03")
 def test_budget_too_small_for_a_block(overlay, monkeypatch):
     # 128-token blocks, 2 KV heads x 32 x 2 (K,V) x 4 B = 512 B/token/layer.
     # Shares are proportional, so the first stage is short as well.
@@ -88,6 +91,7 @@ def test_flag_must_be_a_bool(overlay, monkeypatch):
                       additional_config={"enable_pp_prop_kv_cache": "yes"})
 
 
+@pytest.mark.patch_test("PP-01", "PP-02")
 def test_command_line_flag_reaches_additional_config(overlay):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -105,6 +109,7 @@ def test_command_line_flag_reaches_additional_config(overlay):
     assert "enable_pp_prop_kv_cache" not in (plain.additional_config or {})
 
 
+@pytest.mark.patch_test("PP-04")
 def test_gpu_worker_returns_its_stage_share(overlay, monkeypatch):
     """PP-04 on the GPU Worker (the CPU e2e tests exercise CPUWorker): the
     stock method's answer (the whole budget) becomes this stage's share."""
@@ -127,3 +132,21 @@ def test_gpu_worker_returns_its_stage_share(overlay, monkeypatch):
     assert worker.vllm_overlay_kv_budget == 4 * 2**20
     config.additional_config["enable_pp_prop_kv_cache"] = False
     assert Worker.determine_available_memory(worker) == 16 * 2**20
+
+
+@pytest.mark.patch_test("PP-05")
+def test_cpu_worker_budget_is_kv_cache_memory_bytes(overlay):
+    """PP-05: stock CPUWorker returns VLLM_CPU_KVCACHE_SPACE whatever
+    --kv-cache-memory-bytes says; an explicit budget now wins."""
+    import types
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    cache = types.SimpleNamespace(kv_cache_memory_bytes=8 * 2**20,
+                                  cpu_kvcache_space_bytes=4 * GiB)
+    worker = types.SimpleNamespace(
+        cache_config=cache, vllm_config=types.SimpleNamespace(
+            additional_config={}))
+    assert CPUWorker.determine_available_memory(worker) == 8 * 2**20
+    cache.kv_cache_memory_bytes = None
+    assert CPUWorker.determine_available_memory(worker) == 4 * GiB

@@ -101,6 +101,7 @@ def parked_load(make):
     return sched, a, out
 
 
+@pytest.mark.patch_test("KV-01")
 def test_kv01_parked_request_keeps_a_deficit(make):
     from vllm_overlay.patches.patch_kv_cache_manager import parked_deficits
 
@@ -151,6 +152,7 @@ def _head_that_does_not_fit(make):
     return sched, a, p
 
 
+@pytest.mark.patch_test("KV-03")
 def test_kv03_parked_request_is_not_stranded(make):
     sched, a, p = _head_that_does_not_fit(make)
     out = sched.schedule()
@@ -170,6 +172,7 @@ def test_kv03_stock_scheduler_strands_it(make):
     assert a.status == status("WAITING_FOR_REMOTE_KVS")
 
 
+@pytest.mark.patch_test("KV-04")
 def test_kv04_preempted_request_resumes_as_resumed(make):
     sched, a, out = parked_load(make)
     a.num_preemptions = 1  # as if preempted before this load
@@ -195,6 +198,7 @@ def test_kv04_stock_schedules_it_as_new(make):
     assert [r.req_id for r in second.scheduled_new_reqs] == ["A"]
 
 
+@pytest.mark.patch_test("KV-02")
 def test_kv02_aborted_parked_request_releases_its_promise(make):
     from vllm_overlay.patches.patch_kv_cache_manager import parked_deficits
 

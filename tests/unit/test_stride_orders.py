@@ -75,16 +75,21 @@ def assert_blocks_contiguous(layout: CrossLayerKVLayout) -> None:
 
 SUPPORTED = [
     # (backend, cache layout, physical dims with layers)
-    ("flash_attn.FlashAttentionBackend", "NHD",
-     ("blocks", "layers", "kv", "tokens", "heads", "head_size")),
-    ("flash_attn.FlashAttentionBackend", "HND",
-     ("blocks", "heads", "layers", "kv", "tokens", "head_size")),
-    ("mla.triton_mla.TritonMLABackend", None,
-     ("blocks", "layers", "tokens", "head_size")),
-    ("mla.flashmla.FlashMLABackend", None,
-     ("blocks", "layers", "tokens", "head_size")),
-    ("cpu_attn.CPUAttentionBackend", None,
-     ("blocks", "layers", "kv", "heads", "tokens", "head_size")),
+    pytest.param("flash_attn.FlashAttentionBackend", "NHD",
+                 ("blocks", "layers", "kv", "tokens", "heads", "head_size"),
+                 marks=pytest.mark.patch_test("CL-02")),
+    pytest.param("flash_attn.FlashAttentionBackend", "HND",
+                 ("blocks", "heads", "layers", "kv", "tokens", "head_size"),
+                 marks=pytest.mark.patch_test("CL-02")),
+    pytest.param("mla.triton_mla.TritonMLABackend", None,
+                 ("blocks", "layers", "tokens", "head_size"),
+                 marks=pytest.mark.patch_test("CL-04")),
+    pytest.param("mla.flashmla.FlashMLABackend", None,
+                 ("blocks", "layers", "tokens", "head_size"),
+                 marks=pytest.mark.patch_test("CL-04")),
+    pytest.param("cpu_attn.CPUAttentionBackend", None,
+                 ("blocks", "layers", "kv", "heads", "tokens", "head_size"),
+                 marks=pytest.mark.patch_test("CL-06")),
 ]
 
 
@@ -113,6 +118,7 @@ def test_flash_attn_order_without_layers_is_stock(overlay, cache_layout,
     assert REGISTRY.original("CL-02")() == stock  # what 0.11.2 returns
 
 
+@pytest.mark.patch_test("CL-04", "CL-06")
 def test_cpu_and_mla_orders_without_layers_are_identity(overlay):
     # Stock 0.11.2 had none, and its allocator then used the identity.
     assert backend("cpu_attn.CPUAttentionBackend").get_kv_cache_stride_order(
@@ -144,13 +150,54 @@ def test_flashinfer_order(layout_name, with_layers, physical):
         patch_flashinfer.stride_order_for_layout("XYZ", True)
 
 
+@pytest.fixture(scope="module")
+def flashinfer_backend(overlay):
+    """vLLM's real FlashInferBackend, imported with a stand-in ``flashinfer``
+    package (the CPU build has none), so that CL-03 is applied to it when
+    its module is imported, as on a GPU.  Imported once: the overlay patches
+    a module on its first import only."""
+    import sys
+    import types
+
+    name = f"{BACKENDS}.flashinfer"
+    stubs = ("flashinfer", "flashinfer.decode", "flashinfer.prefill",
+             "flashinfer.utils")
+    assert name not in sys.modules and not any(s in sys.modules
+                                               for s in stubs)
+    for stub in stubs:
+        module = types.ModuleType(stub)
+        module.__getattr__ = lambda attr: type(attr, (), {})
+        sys.modules[stub] = module
+    try:
+        cls = importlib.import_module(name).FlashInferBackend
+    finally:
+        for stub in (name, *stubs):
+            sys.modules.pop(stub, None)
+    return cls
+
+
+@pytest.mark.patch_test("CL-03")
+@pytest.mark.parametrize("layout_name", ["NHD", "HND"])
+def test_flashinfer_backend_has_the_order(flashinfer_backend, cache_layout,
+                                          layout_name):
+    cache_layout(layout_name)
+    cls = flashinfer_backend
+    assert cls.get_kv_cache_stride_order(include_num_layers_dimension=True) \
+        == patch_flashinfer.stride_order_for_layout(layout_name, True)
+    assert cls.get_kv_cache_stride_order() == \
+        patch_flashinfer.stride_order_for_layout(layout_name, False)
+
+
 UNSUPPORTED = [
-    "triton_attn.TritonAttentionBackend",
-    "flex_attention.FlexAttentionBackend",
-    "tree_attn.TreeAttentionBackend",
-    "xformers.XFormersAttentionBackend",
-    "mla.flashmla_sparse.FlashMLASparseBackend",
-    "mla.indexer.DeepseekV32IndexerBackend",
+    # Inherit AttentionBackend's order (CL-01), except the indexer (CL-05).
+    *(pytest.param(path, marks=pytest.mark.patch_test("CL-01")) for path in (
+        "triton_attn.TritonAttentionBackend",
+        "flex_attention.FlexAttentionBackend",
+        "tree_attn.TreeAttentionBackend",
+        "xformers.XFormersAttentionBackend",
+        "mla.flashmla_sparse.FlashMLASparseBackend")),
+    pytest.param("mla.indexer.DeepseekV32IndexerBackend",
+                 marks=pytest.mark.patch_test("CL-05")),
 ]
 
 
