@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from vllm_overlay.ops.block_copy import BlockTable, gather, scatter
+from vllm_overlay.core.ops.block_copy import BlockTable, gather, scatter
 
 # name: (layers, kv heads, head size); bf16, 16-token blocks.
 SHAPES = {

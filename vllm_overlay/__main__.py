@@ -10,7 +10,7 @@ def doctor() -> int:
     """Report the vLLM version, the platform and every patch's state."""
     import vllm_overlay
     from vllm_overlay.patches import all_patches
-    from vllm_overlay.patching import REGISTRY, import_target
+    from vllm_overlay.core.patching import REGISTRY, import_target
 
     version = vllm_overlay.vllm_version()
     print(f"vllm-overlay {vllm_overlay.__version__}")

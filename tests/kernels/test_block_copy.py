@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_overlay.ops.block_copy import BlockTable, dma_copy, gather, scatter
+from vllm_overlay.core.ops.block_copy import BlockTable, dma_copy, gather, scatter
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]

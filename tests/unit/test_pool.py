@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from support.redis_server import redis_server  # noqa: E402
 
-from vllm_overlay.pool import codec  # noqa: E402
-from vllm_overlay.pool.config import PoolConfig  # noqa: E402
-from vllm_overlay.pool.pool import KVPool  # noqa: E402
+from vllm_overlay.core.pool import codec  # noqa: E402
+from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
+from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
 
 NS = b"n" * 16
 
@@ -167,9 +167,9 @@ def test_mla_cross_layer_blocks_round_trip_through_the_pool():
     cache - gives back the exact bytes of every layer, in any block order."""
     import torch
 
-    from vllm_overlay.kv_layout import CrossLayerKVLayout
-    from vllm_overlay.kv_tables import cross_layer_table
-    from vllm_overlay.ops.block_copy import gather, scatter
+    from vllm_overlay.core.kv_layout import CrossLayerKVLayout
+    from vllm_overlay.integration.kv_tables import cross_layer_table
+    from vllm_overlay.core.ops.block_copy import gather, scatter
 
     layout = CrossLayerKVLayout(
         dims=("blocks", "layers", "tokens", "head_size"),

@@ -38,11 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import \
     KVConnectorStats
 
-from vllm_overlay.kv_tables import cross_layer_table, per_layer_table
-from vllm_overlay.ops.block_copy import gather, scatter
-from vllm_overlay.pool import codec
-from vllm_overlay.pool.config import PoolConfig
-from vllm_overlay.pool.pool import KVPool
+from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
+from vllm_overlay.core.ops.block_copy import gather, scatter
+from vllm_overlay.core.pool import codec
+from vllm_overlay.core.pool.config import PoolConfig
+from vllm_overlay.core.pool.pool import KVPool
 
 logger = logging.getLogger("vllm.overlay")
 

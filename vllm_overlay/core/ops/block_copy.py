@@ -260,7 +260,7 @@ def triton_copy(table: BlockTable, block_ids: torch.Tensor,
 
     On a GPU ``packed`` may be pinned host memory (written over PCIe by the
     kernel, zero copy).  On CPU it runs with ``TRITON_INTERPRET=1``."""
-    from vllm_overlay.ops.triton_kernels import copy_blocks_kernel
+    from vllm_overlay.core.ops.triton_kernels import copy_blocks_kernel
 
     packed_ids = table.check(block_ids, packed, packed_ids, to_packed)
     n = block_ids.numel()

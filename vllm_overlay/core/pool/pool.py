@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 
-from vllm_overlay.pool.config import PoolConfig
+from vllm_overlay.core.pool.config import PoolConfig
 
 logger = logging.getLogger("vllm.overlay")
 
