@@ -43,6 +43,12 @@ MODULES = {
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool",
     "vllm_overlay.connectors.shared_pool":
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector",
+    "vllm_overlay.connectors.shared_pool.common":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.common",
+    "vllm_overlay.connectors.shared_pool.scheduler":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.scheduler",
+    "vllm_overlay.connectors.shared_pool.worker":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.worker",
 }
 
 FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
@@ -86,9 +92,15 @@ SERIES = {
         ("0002-kv_connector-v1-shared_pool-codec.patch", "new", "vllm_overlay.core.pool.codec"),
         ("0003-kv_connector-v1-shared_pool-config.patch", "new", "vllm_overlay.core.pool.config"),
         ("0004-kv_connector-v1-shared_pool-pool.patch", "new", "vllm_overlay.core.pool.pool"),
-        ("0005-kv_connector-v1-shared_pool_connector.patch", "new",
+        ("0005-kv_connector-v1-shared_pool_connector-common.patch", "new",
+         "vllm_overlay.connectors.shared_pool.common"),
+        ("0006-kv_connector-v1-shared_pool_connector-scheduler.patch", "new",
+         "vllm_overlay.connectors.shared_pool.scheduler"),
+        ("0007-kv_connector-v1-shared_pool_connector-worker.patch", "new",
+         "vllm_overlay.connectors.shared_pool.worker"),
+        ("0008-kv_connector-v1-shared_pool_connector-init.patch", "new",
          "vllm_overlay.connectors.shared_pool"),
-        ("0006-kv_connector-factory-shared_pool.patch", "append",
+        ("0009-kv_connector-factory-shared_pool.patch", "append",
          (FACTORY, POOL_REGISTRATION)),
     ],
 }

@@ -207,3 +207,31 @@ def test_mla_cross_layer_blocks_round_trip_through_the_pool():
                            source[src].view(torch.int16))
     untouched = [b for b in range(12) if b not in into.tolist()]
     assert not target[untouched].any()
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on: bound, then closed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lookup_only_pool_starts_no_io_threads():
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    pool = KVPool(PoolConfig(url="redis://127.0.0.1:%d" % _closed_port()),
+                  io_threads=False)
+    try:
+        new = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert new == []
+        with pytest.raises(RuntimeError, match="lookups only"):
+            pool.submit_store([(b"k", b"v")])
+        with pytest.raises(RuntimeError, match="lookups only"):
+            pool.submit_load("job", [b"k"])
+        assert pool.count_hits([b"k"]) == 0  # unreachable: a miss
+    finally:
+        pool.close()
+

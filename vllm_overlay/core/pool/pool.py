@@ -72,7 +72,10 @@ def make_client(config: PoolConfig):
 
 
 class KVPool:
-    def __init__(self, config: PoolConfig) -> None:
+    """``io_threads=False``: lookups only (``count_hits``), no store or load
+    threads; what the scheduler side needs."""
+
+    def __init__(self, config: PoolConfig, io_threads: bool = True) -> None:
         self.config = config
         self.stats = PoolStats()  # since the last take_stats()
         self.totals = PoolStats()  # since start, up to the last take_stats()
@@ -91,9 +94,14 @@ class KVPool:
                              name="vllm-overlay-pool-store", daemon=True),
             threading.Thread(target=self._run, args=(self._load_q, self._load),
                              name="vllm-overlay-pool-load", daemon=True),
-        ]
+        ] if io_threads else []
         for thread in self._threads:
             thread.start()
+
+    def _need_io_threads(self) -> None:
+        if not self._threads:
+            raise RuntimeError("this KVPool was created for lookups only "
+                               "(io_threads=False): it cannot store or load")
 
     # -- health -----------------------------------------------------------
     def is_down(self) -> bool:
@@ -159,6 +167,7 @@ class KVPool:
     # -- stores -------------------------------------------------------------
     def submit_store(self, items: list[tuple[bytes, bytes]]) -> bool:
         """Queue ``(key, value)`` pairs; False if dropped."""
+        self._need_io_threads()
         size = sum(len(v) for _, v in items)
         with self._lock:
             if self.is_down() or self._inflight + size > \
@@ -171,6 +180,7 @@ class KVPool:
 
     def submit_delete(self, keys: list[bytes]) -> None:
         """Remove values that failed their check (background)."""
+        self._need_io_threads()
         self._store_q.put(("delete", keys))
 
     def _store(self, client, job) -> None:
@@ -218,6 +228,7 @@ class KVPool:
 
     # -- loads ----------------------------------------------------------------
     def submit_load(self, job_id, keys: list[bytes]) -> None:
+        self._need_io_threads()
         with self._lock:
             self._pending_loads += 1
         self._load_q.put((job_id, keys))
