@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import sys
 import time
@@ -218,6 +219,15 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def test_lookup_only_pool_starts_no_io_threads():
     import threading
 
@@ -235,3 +245,39 @@ def test_lookup_only_pool_starts_no_io_threads():
     finally:
         pool.close()
 
+
+def test_probe_warns_once_with_the_redacted_url_and_does_not_block():
+    url = "redis://user:s3cret@127.0.0.1:%d/0" % _closed_port()
+    config = PoolConfig(url=url, connect_timeout_s=0.5)
+    records = _Records()
+    logger = logging.getLogger("vllm.overlay")
+    logger.addHandler(records)
+    pool = KVPool(config, io_threads=False)
+    try:
+        start = time.monotonic()
+        thread = pool.probe()
+        assert time.monotonic() - start < config.connect_timeout_s
+        thread.join(timeout=config.connect_timeout_s + config.timeout_s + 5)
+        assert not thread.is_alive()
+    finally:
+        pool.close()
+        logger.removeHandler(records)
+    warning, = [m for m in records.messages if "cannot be reached" in m]
+    assert config.redacted_url in warning
+    assert "127.0.0.1" in warning and "s3cret" not in warning
+
+
+def test_probe_is_silent_when_the_pool_answers():
+    records = _Records()
+    logger = logging.getLogger("vllm.overlay")
+    logger.addHandler(records)
+    try:
+        with redis_server() as server:
+            pool = KVPool(PoolConfig(url=server.url), io_threads=False)
+            try:
+                pool.probe().join(timeout=10)
+            finally:
+                pool.close()
+    finally:
+        logger.removeHandler(records)
+    assert records.messages == []

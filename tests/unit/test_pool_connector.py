@@ -1,8 +1,9 @@
 """SharedKVPoolConnector roles: the scheduler side starts no pool I/O
-threads."""
+threads, and an unreachable pool is reported when the connector is created."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -38,6 +39,15 @@ def make(role_name: str, url: str):
                                  None)
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _threads() -> set[str]:
     return {t.name for t in threading.enumerate()}
 
@@ -59,3 +69,38 @@ def test_scheduler_role_starts_no_io_threads_and_worker_role_does(overlay):
         worker.shutdown()
     assert not _threads() & IO_THREADS
 
+
+def test_unreachable_pool_is_reported_at_creation(overlay):
+    url = "redis://user:s3cret@127.0.0.1:%d/0" % _closed_port()
+    records = _Records()
+    logger = logging.getLogger("vllm.overlay")
+    logger.addHandler(records)
+    try:
+        connector = make("SCHEDULER", url)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not records.messages:
+                time.sleep(0.05)
+        finally:
+            connector.shutdown()
+    finally:
+        logger.removeHandler(records)
+    warnings = [m for m in records.messages if "cannot be reached" in m]
+    assert len(warnings) == 1, records.messages
+    assert connector.config.redacted_url in warnings[0]
+    assert "user:***@127.0.0.1" in warnings[0]
+    assert "s3cret" not in warnings[0]
+
+
+def test_only_the_scheduler_role_probes(overlay):
+    """One warning per engine, not one per worker."""
+    records = _Records()
+    logger = logging.getLogger("vllm.overlay")
+    logger.addHandler(records)
+    try:
+        connector = make("WORKER", "redis://127.0.0.1:%d" % _closed_port())
+        connector.shutdown()
+        time.sleep(1.0)
+    finally:
+        logger.removeHandler(records)
+    assert not [m for m in records.messages if "cannot be reached" in m]

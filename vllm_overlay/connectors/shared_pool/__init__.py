@@ -28,7 +28,9 @@ Like vLLM's own connectors, ``SharedKVPoolConnector`` is a thin
 (``scheduler.py``: chains, lookups, what to load and store) or
 ``connector_worker`` (``worker.py``: block copies, background pool I/O),
 whichever its role needs; ``common.py`` holds what both agree on (keys,
-namespace, metadata, stats).  The scheduler's pool starts no I/O threads.
+namespace, metadata, stats).  The scheduler's pool starts no I/O threads;
+it probes the pool once in the background and warns at startup when the
+pool cannot be reached.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         if scheduler:
             self.connector_scheduler = SharedPoolScheduler(
                 vllm_config, self.ns, self.pool)
+            # One per engine: a pool that cannot be reached is reported now,
+            # not on the first long prompt (background, never blocks).
+            self.pool.probe()
         else:
             self.connector_worker = SharedPoolWorker(
                 vllm_config, self.ns, self.pool)

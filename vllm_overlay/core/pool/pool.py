@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import urllib.parse
 
 from vllm_overlay.core.pool.config import PoolConfig
 
@@ -134,6 +135,32 @@ class KVPool:
                 self._backoff = self.config.retry_backoff_s
             logger.info("vllm-overlay KV pool %s is reachable again",
                         self.config.redacted_url)
+
+    def probe(self) -> threading.Thread:
+        """Check once, in the background, that the pool answers; log one
+        warning naming the (redacted) URL if it does not.  Bounded by
+        ``connect_timeout_s`` and ``timeout_s``; never blocks the caller."""
+        def run() -> None:
+            try:
+                client = make_client(self.config)
+                try:
+                    client.ping()
+                finally:
+                    client.close()
+            except Exception as exc:  # noqa: BLE001 - any failure is reported
+                detail = str(exc)
+                password = urllib.parse.urlsplit(self.config.url).password
+                if password:
+                    detail = detail.replace(password, "***")
+                logger.warning(
+                    "vllm-overlay KV pool %s cannot be reached at startup "
+                    "(%s: %s); requests recompute until it can",
+                    self.config.redacted_url, type(exc).__name__, detail)
+
+        thread = threading.Thread(target=run, name="vllm-overlay-pool-probe",
+                                  daemon=True)
+        thread.start()
+        return thread
 
     def _connection(self):
         if self._client is None:
