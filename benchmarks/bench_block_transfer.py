@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stock_swap  # noqa: E402
 
-from vllm_overlay.ops.block_copy import (BlockTable, _word_size,  # noqa: E402
+from vllm_overlay.core.ops.block_copy import (BlockTable, _word_size,  # noqa: E402
                                          gather, scatter)
 
 # name: (layers, kv heads, head size); bf16, 16-token blocks.

@@ -30,9 +30,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 from support.redis_server import redis_server  # noqa: E402
 
-from vllm_overlay.pool import codec  # noqa: E402
-from vllm_overlay.pool.config import PoolConfig  # noqa: E402
-from vllm_overlay.pool.pool import KVPool  # noqa: E402
+from vllm_overlay.core.pool import codec  # noqa: E402
+from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
+from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
 
 NS = b"bench-namespace!"
 

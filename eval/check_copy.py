@@ -21,7 +21,7 @@ if __name__ == "__main__":
 
     cpu_defaults()
     if "--break-layout" in sys.argv:
-        from vllm_overlay.kv_layout import CrossLayerKVLayout
+        from vllm_overlay.core.kv_layout import CrossLayerKVLayout
 
         views = CrossLayerKVLayout.layer_views
         CrossLayerKVLayout.layer_views = (

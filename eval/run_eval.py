@@ -121,7 +121,7 @@ def main() -> None:
     elif config.get("pp_layer_partition"):
         os.environ["VLLM_PP_LAYER_PARTITION"] = config["pp_layer_partition"]
     if args.break_layout:
-        from vllm_overlay.kv_layout import CrossLayerKVLayout
+        from vllm_overlay.core.kv_layout import CrossLayerKVLayout
 
         views = CrossLayerKVLayout.layer_views
         CrossLayerKVLayout.layer_views = (

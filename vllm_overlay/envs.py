@@ -10,7 +10,8 @@ import os
 class EnvVar:
     name: str
     default: str
-    help: str
+    example: str  # the value the README's table shows
+    help: str  # what that value does (Markdown, one table cell)
 
     def raw(self) -> str:
         return os.environ.get(self.name, self.default)
@@ -28,11 +29,21 @@ class EnvVar:
         return [part.strip() for part in self.raw().split(",") if part.strip()]
 
 
-DISABLE = EnvVar("VLLM_OVERLAY_DISABLE", "0",
-                 "1: the plugin does nothing (stock vLLM).")
-STRICT = EnvVar("VLLM_OVERLAY_STRICT", "0",
-                "1: an unsupported vLLM version is an error, not a warning.")
-SKIP_PATCHES = EnvVar("VLLM_OVERLAY_SKIP_PATCHES", "",
-                      "Comma-separated patch ids to leave unapplied.")
+DISABLE = EnvVar("VLLM_OVERLAY_DISABLE", "0", "1",
+                 "the plugin does nothing (stock vLLM)")
+STRICT = EnvVar("VLLM_OVERLAY_STRICT", "0", "1",
+                "a vLLM other than 0.11.2 is an error (default: one warning, "
+                "nothing patched)")
+SKIP_PATCHES = EnvVar("VLLM_OVERLAY_SKIP_PATCHES", "", "CL-06,...",
+                      "leave these patches out (ids in "
+                      "[PATCHES.md](PATCHES.md))")
 
 ALL = (DISABLE, STRICT, SKIP_PATCHES)
+
+
+def markdown_table() -> str:
+    """The README's environment-variable table (a unit test keeps the two
+    in step)."""
+    rows = ["| variable | effect |", "|---|---|"]
+    rows += [f"| `{var.name}={var.example}` | {var.help} |" for var in ALL]
+    return "\n".join(rows) + "\n"

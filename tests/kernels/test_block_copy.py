@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from vllm_overlay.ops.block_copy import BlockTable, dma_copy, gather, scatter
+from vllm_overlay.core.ops.block_copy import BlockTable, dma_copy, gather, scatter
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -251,7 +251,7 @@ def test_triton_variant_follows_alignment_and_odd_alignments_copy(
     """Segments 16-byte aligned: the 128-bit variant; any other alignment
     (caches starting ``skew`` bytes into their storage, 48-byte runs):
     the fallback, with the same bytes."""
-    from vllm_overlay.ops.block_copy import _word_size
+    from vllm_overlay.core.ops.block_copy import _word_size
 
     num_blocks, n = 7, 4
     gen = torch.Generator().manual_seed(8)

@@ -47,7 +47,7 @@ def _compile_all() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_overlay.ops import triton_kernels
+    from vllm_overlay.core.ops import triton_kernels
 
     found = sorted(name for name, obj in vars(triton_kernels).items()
                    if isinstance(obj, triton.runtime.jit.JITFunction))

@@ -108,14 +108,12 @@ def _child(patch_id: str, files: list[str], result: pathlib.Path,
         select = _Select(patch_id)
         rc = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir",
                           str(ROOT), *files], plugins=[select])
-        import vllm_overlay
-        from vllm_overlay.patching import REGISTRY
+        from vllm_overlay.core.patching import REGISTRY
 
         states = {s.patch.id: s.status for s in REGISTRY.states()}
         result.write_text(json.dumps({
             "rc": int(rc), "selected": select.selected,
             "outcomes": select.outcomes,
-            "registered": vllm_overlay.registered_outcome(),
             "states": states}))
         code = 0
     finally:
@@ -129,9 +127,8 @@ def _preimport() -> None:
     import torch  # noqa: F401
     import vllm  # noqa: F401
 
-    import vllm_overlay
     from vllm_overlay.patches import all_patches
-    from vllm_overlay.patching import REGISTRY, import_target
+    from vllm_overlay.core.patching import REGISTRY, import_target
 
     for module in sorted({p.module for p in all_patches()}):
         import_target(module)  # flashinfer cannot be imported: no matter
@@ -141,11 +138,10 @@ def _preimport() -> None:
                    "vllm.distributed.kv_transfer.kv_connector.factory",
                    "vllm.distributed.kv_transfer.kv_connector.v1."
                    "shared_storage_connector",
-                   "vllm_overlay.connectors", "vllm_overlay.cross_layer",
+                   "vllm_overlay.connectors", "vllm_overlay.integration.cross_layer",
                    "vllm_overlay.demo", "_pytest.pytester", "pytest"):
         import_target(module)
     # Nothing may be patched yet: each child registers the overlay itself.
-    assert vllm_overlay.registered_outcome() is None
     assert not REGISTRY.states()
 
 

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from vllm_overlay.cross_layer import (allocate_cross_layer_kv_cache,
+from vllm_overlay.integration.cross_layer import (allocate_cross_layer_kv_cache,
                                       plan_cross_layer_kv_cache)
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]

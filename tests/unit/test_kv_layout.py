@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_overlay.kv_layout import CrossLayerKVLayout
+from vllm_overlay.core.kv_layout import CrossLayerKVLayout
 
 GOOD = dict(dims=("blocks", "layers", "kv", "heads", "tokens", "head_size"),
             shape=(7, 3, 2, 4, 16, 64),

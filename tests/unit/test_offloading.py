@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_overlay.offload.mapping import expand, pair_sub_blocks
-from vllm_overlay.ops.block_copy import BlockTable
+from vllm_overlay.core.offload.mapping import expand, pair_sub_blocks
+from vllm_overlay.core.ops.block_copy import BlockTable
 
 
 def test_expand():

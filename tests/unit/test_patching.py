@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from vllm_overlay.patching import Patch, PatchRegistry
+from vllm_overlay.core.patching import Patch, PatchRegistry
 
 ENTRY = dict(why="w", upstream="u", removal="r")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import sys
 import time
@@ -11,9 +12,9 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from support.redis_server import redis_server  # noqa: E402
 
-from vllm_overlay.pool import codec  # noqa: E402
-from vllm_overlay.pool.config import PoolConfig  # noqa: E402
-from vllm_overlay.pool.pool import KVPool  # noqa: E402
+from vllm_overlay.core.pool import codec  # noqa: E402
+from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
+from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
 
 NS = b"n" * 16
 
@@ -167,9 +168,9 @@ def test_mla_cross_layer_blocks_round_trip_through_the_pool():
     cache - gives back the exact bytes of every layer, in any block order."""
     import torch
 
-    from vllm_overlay.kv_layout import CrossLayerKVLayout
-    from vllm_overlay.kv_tables import cross_layer_table
-    from vllm_overlay.ops.block_copy import gather, scatter
+    from vllm_overlay.core.kv_layout import CrossLayerKVLayout
+    from vllm_overlay.integration.kv_tables import cross_layer_table
+    from vllm_overlay.core.ops.block_copy import gather, scatter
 
     layout = CrossLayerKVLayout(
         dims=("blocks", "layers", "tokens", "head_size"),
@@ -207,3 +208,76 @@ def test_mla_cross_layer_blocks_round_trip_through_the_pool():
                            source[src].view(torch.int16))
     untouched = [b for b in range(12) if b not in into.tolist()]
     assert not target[untouched].any()
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on: bound, then closed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_lookup_only_pool_starts_no_io_threads():
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    pool = KVPool(PoolConfig(url="redis://127.0.0.1:%d" % _closed_port()),
+                  io_threads=False)
+    try:
+        new = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert new == []
+        with pytest.raises(RuntimeError, match="lookups only"):
+            pool.submit_store([(b"k", b"v")])
+        with pytest.raises(RuntimeError, match="lookups only"):
+            pool.submit_load("job", [b"k"])
+        assert pool.count_hits([b"k"]) == 0  # unreachable: a miss
+    finally:
+        pool.close()
+
+
+def test_probe_warns_once_with_the_redacted_url_and_does_not_block():
+    url = "redis://user:s3cret@127.0.0.1:%d/0" % _closed_port()
+    config = PoolConfig(url=url, connect_timeout_s=0.5)
+    records = _Records()
+    logger = logging.getLogger("vllm.overlay")
+    logger.addHandler(records)
+    pool = KVPool(config, io_threads=False)
+    try:
+        start = time.monotonic()
+        thread = pool.probe()
+        assert time.monotonic() - start < config.connect_timeout_s
+        thread.join(timeout=config.connect_timeout_s + config.timeout_s + 5)
+        assert not thread.is_alive()
+    finally:
+        pool.close()
+        logger.removeHandler(records)
+    warning, = [m for m in records.messages if "cannot be reached" in m]
+    assert config.redacted_url in warning
+    assert "127.0.0.1" in warning and "s3cret" not in warning
+
+
+def test_probe_is_silent_when_the_pool_answers():
+    records = _Records()
+    logger = logging.getLogger("vllm.overlay")
+    logger.addHandler(records)
+    try:
+        with redis_server() as server:
+            pool = KVPool(PoolConfig(url=server.url), io_threads=False)
+            try:
+                pool.probe().join(timeout=10)
+            finally:
+                pool.close()
+    finally:
+        logger.removeHandler(records)
+    assert records.messages == []

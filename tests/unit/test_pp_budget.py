@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_overlay.pp_budget import StageBudget, split_budget
+from vllm_overlay.core.pp_budget import StageBudget, split_budget
 
 GiB = 2**30
 
@@ -118,7 +118,7 @@ def test_gpu_worker_returns_its_stage_share(overlay, monkeypatch):
     from vllm.distributed import parallel_state
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_overlay.patching import REGISTRY
+    from vllm_overlay.core.patching import REGISTRY
 
     config = engine_config(monkeypatch, "3,1", kv_cache_memory_bytes=16 * 2**20,
                            **FLAG)

@@ -20,7 +20,7 @@ logging.basicConfig(level=logging.INFO)
 if len(sys.argv) > 1:
     vllm.__version__ = sys.argv[1]
 import vllm_overlay
-from vllm_overlay.patching import REGISTRY
+from vllm_overlay.core.patching import REGISTRY
 first = vllm_overlay.register()
 second = vllm_overlay.register()
 from vllm.attention.backends.abstract import AttentionBackend

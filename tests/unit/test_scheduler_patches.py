@@ -127,7 +127,7 @@ def test_kv01_parked_request_keeps_a_deficit(make):
 
 
 def test_kv01_stock_admits_loads_that_cannot_finish(make):
-    from vllm_overlay.patching import REGISTRY
+    from vllm_overlay.core.patching import REGISTRY
 
     sched, a, _ = parked_load(make)
     _, request = make
@@ -161,7 +161,7 @@ def test_kv03_parked_request_is_not_stranded(make):
 
 
 def test_kv03_stock_scheduler_strands_it(make):
-    from vllm_overlay.patching import REGISTRY
+    from vllm_overlay.core.patching import REGISTRY
 
     sched, a, p = _head_that_does_not_fit(make)
     stock = REGISTRY.original("KV-03")
@@ -187,7 +187,7 @@ def test_kv04_preempted_request_resumes_as_resumed(make):
 
 
 def test_kv04_stock_schedules_it_as_new(make):
-    from vllm_overlay.patching import REGISTRY
+    from vllm_overlay.core.patching import REGISTRY
 
     sched, a, out = parked_load(make)
     a.num_preemptions = 1

@@ -15,8 +15,8 @@ import importlib
 import pytest
 import torch
 
-from vllm_overlay.cross_layer import name_kv_cache_dims
-from vllm_overlay.kv_layout import CrossLayerKVLayout
+from vllm_overlay.integration.cross_layer import name_kv_cache_dims
+from vllm_overlay.core.kv_layout import CrossLayerKVLayout
 from vllm_overlay.patches import patch_flashinfer
 
 BACKENDS = "vllm.v1.attention.backends"
@@ -110,7 +110,7 @@ def test_supported_backend_order(overlay, cache_layout, path, layout_name,
                                                ("HND", (0, 1, 3, 2, 4))])
 def test_flash_attn_order_without_layers_is_stock(overlay, cache_layout,
                                                   layout_name, stock):
-    from vllm_overlay.patching import REGISTRY
+    from vllm_overlay.core.patching import REGISTRY
 
     cache_layout(layout_name)
     cls = backend("flash_attn.FlashAttentionBackend")

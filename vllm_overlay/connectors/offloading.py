@@ -41,11 +41,11 @@ from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
-from vllm_overlay.kv_tables import cross_layer_table, per_layer_table
-from vllm_overlay.model_kv import kv_bytes_per_token
-from vllm_overlay.offload.mapping import pair_sub_blocks
-from vllm_overlay.offload.mover import METHODS, BlockMover, TransferStats
-from vllm_overlay.ops.block_copy import BlockTable
+from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
+from vllm_overlay.integration.model_kv import kv_bytes_per_token
+from vllm_overlay.core.offload.mapping import pair_sub_blocks
+from vllm_overlay.core.offload.mover import METHODS, BlockMover, TransferStats
+from vllm_overlay.core.ops.block_copy import BlockTable
 
 logger = logging.getLogger("vllm.overlay")
 

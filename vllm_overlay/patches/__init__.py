@@ -15,7 +15,7 @@ from vllm_overlay.patches import (patch_abstract, patch_arg_utils,
                                   patch_kv_cache_manager,
                                   patch_kv_connector_base, patch_mla_common,
                                   patch_mla_indexer, patch_scheduler)
-from vllm_overlay.patching import REGISTRY, Patch
+from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULES = (
     # Cross-layer KV blocks (vLLM RFC #27742 / PR #27743)

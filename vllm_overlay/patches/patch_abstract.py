@@ -7,7 +7,7 @@ NotImplementedError with the backend's name, that it has no order (the stock
 caller already falls back to the identity order on NotImplementedError).
 """
 
-from vllm_overlay.patching import Patch
+from vllm_overlay.core.patching import Patch
 
 MODULE = "vllm.attention.backends.abstract"
 

@@ -10,8 +10,8 @@ every stage) before any worker starts.
 
 import argparse
 
-from vllm_overlay import pp_kv
-from vllm_overlay.patching import REGISTRY, Patch
+from vllm_overlay.integration import pp_kv
+from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULE = "vllm.engine.arg_utils"
 

@@ -7,7 +7,7 @@ The CPU kernels (``cpu_attn_reshape_and_cache``,
 per-layer views need no other change.  Upstream never supported CPU.
 """
 
-from vllm_overlay.patching import Patch
+from vllm_overlay.core.patching import Patch
 
 MODULE = "vllm.v1.attention.backends.cpu_attn"
 

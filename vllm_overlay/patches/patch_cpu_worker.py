@@ -8,8 +8,8 @@ Stock ``CPUWorker.determine_available_memory`` always returns
 
 import logging
 
-from vllm_overlay import pp_kv
-from vllm_overlay.patching import REGISTRY, Patch
+from vllm_overlay.integration import pp_kv
+from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULE = "vllm.v1.worker.cpu_worker"
 logger = logging.getLogger("vllm.overlay")

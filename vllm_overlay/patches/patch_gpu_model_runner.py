@@ -1,7 +1,7 @@
 """vllm/v1/worker/gpu_model_runner.py: allocate and register cross-layer KV.
 
 ``GPUModelRunner.initialize_kv_cache_tensors``: when
-``vllm_overlay.cross_layer.plan_cross_layer_kv_cache`` accepts, one buffer is
+``vllm_overlay.integration.cross_layer.plan_cross_layer_kv_cache`` accepts, one buffer is
 allocated for all layers and each layer gets a strided view into it; KV
 sharing and ``bind_kv_cache`` then run exactly as stock.  Otherwise the stock
 method runs.  Either way one log line says which layout and why.
@@ -15,9 +15,9 @@ instead of ``register_kv_caches`` when the buffer exists.
 
 import sys
 
-from vllm_overlay.cross_layer import (allocate_cross_layer_kv_cache, log_plan,
+from vllm_overlay.integration.cross_layer import (allocate_cross_layer_kv_cache, log_plan,
                                       plan_cross_layer_kv_cache)
-from vllm_overlay.patching import REGISTRY, Patch
+from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
 

@@ -4,8 +4,8 @@ With the flag on, ``Worker.determine_available_memory`` returns the stage's
 share of ``--kv-cache-memory-bytes`` (by layers) instead of all of it.
 """
 
-from vllm_overlay import pp_kv
-from vllm_overlay.patching import REGISTRY, Patch
+from vllm_overlay.integration import pp_kv
+from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULE = "vllm.v1.worker.gpu_worker"
 

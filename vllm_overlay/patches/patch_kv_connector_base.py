@@ -6,14 +6,14 @@ Adds to ``KVConnectorBase_V1``:
   sets it to ask for one KV buffer for all layers;
 * ``register_cross_layers_kv_cache(kv_cache, attn_backend, layout)``: called
   instead of ``register_kv_caches`` when that buffer was allocated.  ``layout``
-  is a ``vllm_overlay.kv_layout.CrossLayerKVLayout``: the explicit physical
+  is a ``vllm_overlay.core.kv_layout.CrossLayerKVLayout``: the explicit physical
   description upstream's reviewers asked for (upstream passes only the
   backend class).
 
 Connectors that do not opt in keep receiving ``register_kv_caches`` as before.
 """
 
-from vllm_overlay.patching import Patch
+from vllm_overlay.core.patching import Patch
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 

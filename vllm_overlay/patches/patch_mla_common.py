@@ -7,7 +7,7 @@ MLA caches one latent vector per token: per-layer shape
 TritonMLA, AiterMLA) inherits it.
 """
 
-from vllm_overlay.patching import Patch
+from vllm_overlay.core.patching import Patch
 
 MODULE = "vllm.v1.attention.backends.mla.common"
 

@@ -7,7 +7,7 @@ cross-layer blocks, and upstream's answer (layers outermost) gives no
 per-block contiguity.
 """
 
-from vllm_overlay.patching import Patch
+from vllm_overlay.core.patching import Patch
 
 MODULE = "vllm.v1.attention.backends.mla.indexer"
 

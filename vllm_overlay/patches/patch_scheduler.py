@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_overlay.patching import REGISTRY, Patch
+from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULE = "vllm.v1.core.sched.scheduler"
 logger = logging.getLogger("vllm.overlay")

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from vllm_overlay.kv_layout import CrossLayerKVLayout
+from vllm_overlay.core.kv_layout import CrossLayerKVLayout
 
 logger = logging.getLogger("vllm.overlay")
 

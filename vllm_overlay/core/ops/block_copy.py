@@ -311,7 +311,7 @@ def triton_copy(table: BlockTable, block_ids: torch.Tensor,
     kernel, zero copy).  On CPU it runs with ``TRITON_INTERPRET=1``.  When
     everything is 16-byte aligned the kernel's aligned variant moves 128
     bits per access; otherwise the fallback variant (any alignment)."""
-    from vllm_overlay.ops.triton_kernels import copy_blocks_kernel
+    from vllm_overlay.core.ops.triton_kernels import copy_blocks_kernel
 
     packed_ids = table.check(block_ids, packed, packed_ids, to_packed)
     n = block_ids.numel()

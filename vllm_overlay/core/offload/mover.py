@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from vllm_overlay.ops.block_copy import COPY_METHODS, BlockTable
+from vllm_overlay.core.ops.block_copy import COPY_METHODS, BlockTable
 
 METHODS = ("auto", "dma", "triton")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from vllm_overlay.model_kv import kv_bytes_per_token_per_layer
-from vllm_overlay.pp_budget import StageBudget, split_budget
+from vllm_overlay.integration.model_kv import kv_bytes_per_token_per_layer
+from vllm_overlay.core.pp_budget import StageBudget, split_budget
 
 logger = logging.getLogger("vllm.overlay")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_overlay.ops.block_copy import BlockTable
+from vllm_overlay.core.ops.block_copy import BlockTable
 
 
 def cross_layer_table(kv_cache: torch.Tensor, layout) -> BlockTable:
@@ -22,7 +22,7 @@ def per_layer_table(vllm_config, kv_caches: dict[str, torch.Tensor]
     from vllm.model_executor.layers.attention_layer_base import \
         AttentionLayerBase
 
-    from vllm_overlay.cross_layer import name_kv_cache_dims
+    from vllm_overlay.integration.cross_layer import name_kv_cache_dims
 
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
                                          list(kv_caches))

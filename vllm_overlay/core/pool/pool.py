@@ -24,8 +24,9 @@ import logging
 import queue
 import threading
 import time
+import urllib.parse
 
-from vllm_overlay.pool.config import PoolConfig
+from vllm_overlay.core.pool.config import PoolConfig
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -72,7 +73,10 @@ def make_client(config: PoolConfig):
 
 
 class KVPool:
-    def __init__(self, config: PoolConfig) -> None:
+    """``io_threads=False``: lookups only (``count_hits``), no store or load
+    threads; what the scheduler side needs."""
+
+    def __init__(self, config: PoolConfig, io_threads: bool = True) -> None:
         self.config = config
         self.stats = PoolStats()  # since the last take_stats()
         self.totals = PoolStats()  # since start, up to the last take_stats()
@@ -91,9 +95,14 @@ class KVPool:
                              name="vllm-overlay-pool-store", daemon=True),
             threading.Thread(target=self._run, args=(self._load_q, self._load),
                              name="vllm-overlay-pool-load", daemon=True),
-        ]
+        ] if io_threads else []
         for thread in self._threads:
             thread.start()
+
+    def _need_io_threads(self) -> None:
+        if not self._threads:
+            raise RuntimeError("this KVPool was created for lookups only "
+                               "(io_threads=False): it cannot store or load")
 
     # -- health -----------------------------------------------------------
     def is_down(self) -> bool:
@@ -127,6 +136,32 @@ class KVPool:
             logger.info("vllm-overlay KV pool %s is reachable again",
                         self.config.redacted_url)
 
+    def probe(self) -> threading.Thread:
+        """Check once, in the background, that the pool answers; log one
+        warning naming the (redacted) URL if it does not.  Bounded by
+        ``connect_timeout_s`` and ``timeout_s``; never blocks the caller."""
+        def run() -> None:
+            try:
+                client = make_client(self.config)
+                try:
+                    client.ping()
+                finally:
+                    client.close()
+            except Exception as exc:  # noqa: BLE001 - any failure is reported
+                detail = str(exc)
+                password = urllib.parse.urlsplit(self.config.url).password
+                if password:
+                    detail = detail.replace(password, "***")
+                logger.warning(
+                    "vllm-overlay KV pool %s cannot be reached at startup "
+                    "(%s: %s); requests recompute until it can",
+                    self.config.redacted_url, type(exc).__name__, detail)
+
+        thread = threading.Thread(target=run, name="vllm-overlay-pool-probe",
+                                  daemon=True)
+        thread.start()
+        return thread
+
     def _connection(self):
         if self._client is None:
             self._client = make_client(self.config)
@@ -159,6 +194,7 @@ class KVPool:
     # -- stores -------------------------------------------------------------
     def submit_store(self, items: list[tuple[bytes, bytes]]) -> bool:
         """Queue ``(key, value)`` pairs; False if dropped."""
+        self._need_io_threads()
         size = sum(len(v) for _, v in items)
         with self._lock:
             if self.is_down() or self._inflight + size > \
@@ -171,6 +207,7 @@ class KVPool:
 
     def submit_delete(self, keys: list[bytes]) -> None:
         """Remove values that failed their check (background)."""
+        self._need_io_threads()
         self._store_q.put(("delete", keys))
 
     def _store(self, client, job) -> None:
@@ -218,6 +255,7 @@ class KVPool:
 
     # -- loads ----------------------------------------------------------------
     def submit_load(self, job_id, keys: list[bytes]) -> None:
+        self._need_io_threads()
         with self._lock:
             self._pending_loads += 1
         self._load_q.put((job_id, keys))

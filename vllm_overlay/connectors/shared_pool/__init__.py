@@ -1,0 +1,160 @@
+"""SharedKVPoolConnector: KV blocks in a Redis/Valkey pool shared by nodes.
+
+Semantics of vLLM PR #16159, reworked: one value per block (all layers; with
+cross-layer blocks the value is the block's bytes verbatim), a checked
+header, content-addressed keys, I/O on background threads, recompute on any
+failure.
+
+* Keys: ``vkv:<namespace>:r<rank>:<chain hash>``.  The chain is vLLM's
+  (``hash_block_tokens`` with the request's extra keys: LoRA, multimodal,
+  cache salt) but rooted at a fixed seed, so it does not depend on
+  ``PYTHONHASHSEED`` and two nodes agree on it.  The namespace hashes the
+  model, dtypes, block size, attention backend and KV layout, TP/PP sizes,
+  the hash algorithm and the user's ``namespace``.
+* Swap-in: the scheduler counts the leading blocks present in the pool
+  (one pipelined EXISTS); the request waits while they load (others run)
+  and its prefill skips them.  Values that fail the check are reported with
+  ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks.
+* Swap-out: every block a request completes is copied to host memory after
+  the step that wrote it and written in the background (EXISTS, then SET NX).
+
+``kv_connector_extra_config``: ``url`` (redis://, rediss://, valkey://,
+valkeys://, with user:password@), ``cluster`` (bool), ``namespace``,
+``connect_timeout_s``, ``timeout_s``, ``max_inflight_bytes``, ``ttl_s``,
+``retry_backoff_s``, ``max_retry_backoff_s``.
+
+Like vLLM's own connectors, ``SharedKVPoolConnector`` is a thin
+``KVConnectorBase_V1`` that delegates to ``connector_scheduler``
+(``scheduler.py``: chains, lookups, what to load and store) or
+``connector_worker`` (``worker.py``: block copies, background pool I/O),
+whichever its role needs; ``common.py`` holds what both agree on (keys,
+namespace, metadata, stats).  The scheduler's pool starts no I/O threads;
+it probes the pool once in the background and warns at startup when the
+pool cannot be reached.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import \
+    KVConnectorStats
+
+from vllm_overlay.connectors.shared_pool.common import (PoolConnectorStats,
+                                                        namespace_tag,
+                                                        take_stats)
+from vllm_overlay.connectors.shared_pool.scheduler import SharedPoolScheduler
+from vllm_overlay.connectors.shared_pool.worker import SharedPoolWorker
+from vllm_overlay.core.pool.config import PoolConfig
+from vllm_overlay.core.pool.pool import KVPool
+
+logger = logging.getLogger("vllm.overlay")
+
+
+class SharedKVPoolConnector(KVConnectorBase_V1):
+    prefer_cross_layer_blocks = True
+
+    def __init__(self, vllm_config, role: KVConnectorRole,
+                 kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = PoolConfig.from_dict(extra)
+        self.ns = namespace_tag(vllm_config, self.config.namespace)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        # Only the worker side moves values: the scheduler's pool answers
+        # lookups on the calling thread and starts no I/O threads.
+        self.pool = KVPool(self.config, io_threads=not scheduler)
+        logger.info("vllm-overlay KV pool: %s%s, namespace %s (%s)",
+                    self.config.redacted_url,
+                    " (cluster)" if self.config.cluster else "",
+                    self.ns.hex()[:12], self.config.namespace)
+        self.connector_scheduler: SharedPoolScheduler | None = None
+        self.connector_worker: SharedPoolWorker | None = None
+        if scheduler:
+            self.connector_scheduler = SharedPoolScheduler(
+                vllm_config, self.ns, self.pool)
+            # One per engine: a pool that cannot be reached is reported now,
+            # not on the first long prompt (background, never blocks).
+            self.pool.probe()
+        else:
+            self.connector_worker = SharedPoolWorker(
+                vllm_config, self.ns, self.pool)
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_num_new_matched_tokens(
+            request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks,
+                                 num_external_tokens: int) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_state_after_alloc(
+            request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend,
+                                       layout) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_cross_layers_kv_cache(kv_cache, layout)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        assert self.connector_worker is not None
+        self.connector_worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]):
+        assert self.connector_worker is not None
+        return self.connector_worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.connector_worker is not None
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    # ==============================
+    # Both
+    # ==============================
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return take_stats(self.pool)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None
+                                 ) -> KVConnectorStats | None:
+        return PoolConnectorStats(data=data or {})
+
+    def shutdown(self) -> None:
+        self.pool.close()

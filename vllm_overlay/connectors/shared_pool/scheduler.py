@@ -1,0 +1,152 @@
+"""Scheduler side of the shared pool connector: chain hashes, pool lookups,
+and which blocks each step loads and stores.
+
+It only looks keys up (one pipelined EXISTS per request, on the calling
+thread): its ``KVPool`` starts no I/O threads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm_overlay.connectors.shared_pool.common import PoolMetadata, pool_key
+
+CHAIN_ROOT = b"vllm-overlay shared KV pool chain root v1"
+REFUSED_TTL_S = 300.0  # a refused value is not looked up again for this long
+
+
+class SharedPoolScheduler:
+    def __init__(self, vllm_config, ns: bytes, pool) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        cache = vllm_config.cache_config
+        self.block_size = cache.block_size
+        self.world_size = vllm_config.parallel_config.world_size
+        self.ns = ns
+        self.pool = pool
+        self._hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+        self._chains: dict[str, list[bytes]] = {}
+        self._requests: dict[str, Any] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._next_store: dict[str, int] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}  # req -> (start, hits)
+        self._loads: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._storing: set[str] = set()
+        self._loading: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._refused: dict[bytes, float] = {}  # chain hash -> when
+        self._load_start: dict[str, int] = {}
+
+    def _chain(self, request) -> list[bytes]:
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys, hash_block_tokens)
+
+        chain = self._chains.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        mm_idx = 0
+        while (len(chain) + 1) * self.block_size <= len(tokens):
+            start = len(chain) * self.block_size
+            end = start + self.block_size
+            extra, mm_idx = generate_block_hash_extra_keys(request, start, end,
+                                                           mm_idx)
+            parent = chain[-1] if chain else self._hash_fn(CHAIN_ROOT)
+            chain.append(bytes(hash_block_tokens(self._hash_fn, parent,
+                                                 tokens[start:end], extra)))
+        return chain
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # e.g. prompt logprobs: every position computed
+        chain = self._chain(request)
+        start = num_computed_tokens // self.block_size
+        # Leave at least one token to compute.
+        last = min(len(chain), (request.num_tokens - 1) // self.block_size)
+        if last <= start:
+            return 0, False
+        hits = last - start
+        # Stop before a block whose value was refused recently.
+        now = time.monotonic()
+        for i, h in enumerate(chain[start:last]):
+            when = self._refused.get(h)
+            if when is not None and now - when < REFUSED_TTL_S:
+                hits = i
+                break
+        if hits == 0:
+            return 0, False
+        for rank in range(self.world_size):
+            hits = min(hits, self.pool.count_hits(
+                [pool_key(self.ns, h, rank)
+                 for h in chain[start:start + hits]]))
+            if hits == 0:
+                return 0, False
+        self._lookups[request.request_id] = (start, hits)
+        return hits * self.block_size, True
+
+    def update_state_after_alloc(self, request, blocks,
+                                 num_external_tokens: int) -> None:
+        req_id = request.request_id
+        self._requests[req_id] = request
+        block_ids = list(blocks.get_block_ids()[0])
+        start, hits = self._lookups.pop(req_id, (0, 0))
+        if num_external_tokens:
+            n = num_external_tokens // self.block_size
+            assert n == hits, (n, hits)
+            chain = self._chains[req_id]
+            self._loads[req_id] = (block_ids[-n:], chain[start:start + n])
+            self._load_start[req_id] = start
+        # Called again when a loaded request is scheduled: keep the mark.
+        self._next_store[req_id] = max(self._next_store.get(req_id, 0),
+                                       start + hits)
+
+    def build_connector_meta(self, scheduler_output) -> PoolMetadata:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector \
+            import yield_req_data
+
+        stores = {}
+        for req_id, new_ids, preempted in yield_req_data(scheduler_output):
+            if req_id not in self._requests:
+                continue
+            ids = self._block_ids.setdefault(req_id, [])
+            if preempted:
+                ids.clear()
+            if new_ids:
+                ids.extend(new_ids[0])
+            request = self._requests[req_id]
+            done = (request.num_computed_tokens
+                    + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+            chain = self._chain(request)
+            full = min(done // self.block_size, len(chain), len(ids))
+            first = self._next_store.get(req_id, 0)
+            if full > first:
+                stores[req_id] = (ids[first:full], chain[first:full])
+                self._next_store[req_id] = full
+                self._storing.add(req_id)
+        meta = PoolMetadata(loads=self._loads, stores=stores)
+        self._loading.update(self._loads)
+        self._loads = {}
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._storing.discard(req_id)
+        invalid = connector_output.invalid_block_ids or set()
+        now = time.monotonic()
+        for req_id in connector_output.finished_recving or ():
+            block_ids, chain = self._loading.pop(req_id, ((), ()))
+            start = self._load_start.pop(req_id, 0)
+            for i, (block_id, h) in enumerate(zip(block_ids, chain)):
+                if block_id in invalid:  # never look it up again (for a while)
+                    self._refused[h] = now
+                    if req_id in self._next_store:  # store it once recomputed
+                        self._next_store[req_id] = min(
+                            self._next_store[req_id], start + i)
+        if len(self._refused) > 100_000:
+            self._refused = {h: t for h, t in self._refused.items()
+                             if now - t < REFUSED_TTL_S}
+
+    def request_finished(self, request, block_ids):
+        req_id = request.request_id
+        for table in (self._chains, self._requests, self._block_ids,
+                      self._next_store, self._lookups, self._load_start):
+            table.pop(req_id, None)
+        return req_id in self._storing, None

@@ -1,0 +1,156 @@
+"""Worker side of the shared pool connector: copies blocks between the KV
+cache and host memory and hands the network I/O to the pool's background
+threads (store and load)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_overlay.connectors.shared_pool.common import PoolMetadata, pool_key
+from vllm_overlay.core.ops.block_copy import gather, scatter
+from vllm_overlay.core.pool import codec
+from vllm_overlay.integration.kv_tables import (cross_layer_table,
+                                                per_layer_table)
+
+logger = logging.getLogger("vllm.overlay")
+
+
+class SharedPoolWorker:
+    def __init__(self, vllm_config, ns: bytes, pool) -> None:
+        self.vllm_config = vllm_config
+        self.world_size = vllm_config.parallel_config.world_size
+        self.ns = ns
+        self.pool = pool
+        self._table = None
+        self._rank = 0
+        self._jobs: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._pending_copies: dict[str, list] = {}  # req -> staged stores
+        self._stored_reqs: set[str] = set()
+        self._waiting_finish: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    def _key(self, chain_hash: bytes) -> bytes:
+        return pool_key(self.ns, chain_hash, self._rank)
+
+    def _set_table(self, table, what: str) -> None:
+        from vllm.distributed import get_world_group
+
+        self._table = table
+        self._rank = get_world_group().rank if self.world_size > 1 else 0
+        logger.info("vllm-overlay KV pool: %s, one value of %d B per block "
+                    "(%d run(s) gathered), rank %d", what, table.block_bytes,
+                    table.runs_per_block, self._rank)
+
+    def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
+        self._set_table(cross_layer_table(kv_cache, layout),
+                        f"cross-layer buffer ({layout.num_layers} layers)")
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._set_table(per_layer_table(self.vllm_config, kv_caches),
+                        f"{len(kv_caches)} per-layer caches")
+
+    def _method(self) -> str:
+        return "triton" if self._table.device.type == "cuda" else "dma"
+
+    def start_load_kv(self, meta: PoolMetadata) -> None:
+        for req_id, (block_ids, chain) in meta.loads.items():
+            self._jobs[req_id] = (block_ids, chain)
+            self.pool.submit_load(req_id, [self._key(h) for h in chain])
+
+    def wait_for_save(self, meta: PoolMetadata) -> None:
+        """Copy the blocks completed in this step to host memory; the
+        network write happens in the background."""
+        for req_id, (block_ids, chain) in meta.stores.items():
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            staging = torch.empty(len(block_ids), self._table.block_bytes,
+                                  dtype=torch.uint8,
+                                  pin_memory=self._table.device.type == "cuda")
+            event = None
+            if self._table.device.type == "cuda":
+                stream = torch.cuda.current_stream()
+                gather(self._table, ids, staging, self._method())
+                event = torch.cuda.Event()
+                event.record(stream)
+            else:
+                gather(self._table, ids, staging, "dma")
+            self._pending_copies.setdefault(req_id, []).append(
+                (event, staging, chain))
+            self._stored_reqs.add(req_id)
+
+    def _flush_copies(self) -> None:
+        for req_id, copies in list(self._pending_copies.items()):
+            keep = []
+            for event, staging, chain in copies:
+                if event is not None and not event.query():
+                    keep.append((event, staging, chain))
+                    continue
+                items = []
+                for row, h in zip(staging, chain):
+                    key = self._key(h)
+                    items.append((key, codec.encode(self.ns, key,
+                                                    row.numpy().data)))
+                self.pool.submit_store(items)
+            if keep:
+                self._pending_copies[req_id] = keep
+            else:
+                del self._pending_copies[req_id]
+
+    def _finish_loads(self) -> set[str]:
+        done = set()
+        for req_id, values in self.pool.poll_loads():
+            block_ids, chain = self._jobs.pop(req_id)
+            good_ids, good_rows, failed, refused = [], [], 0, []
+            for block_id, h, value in zip(block_ids, chain, values):
+                try:
+                    if value is None:
+                        raise codec.BadValue("missing")
+                    payload = codec.decode(self.ns, self._key(h), value,
+                                           self._table.block_bytes)
+                except codec.BadValue as exc:
+                    failed += 1
+                    self._load_errors.add(block_id)
+                    if value is not None:
+                        refused.append(self._key(h))
+                        logger.warning("vllm-overlay KV pool: block %s "
+                                       "refused (%s); recomputing",
+                                       h.hex()[:12], exc)
+                    continue
+                good_ids.append(block_id)
+                good_rows.append(torch.frombuffer(payload, dtype=torch.uint8))
+            if good_ids:
+                packed = torch.stack(good_rows)
+                if self._table.device.type == "cuda":
+                    packed = packed.pin_memory()
+                scatter(self._table, torch.tensor(good_ids, dtype=torch.int64),
+                        packed, self._method())
+                if self._table.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+            self.pool.record_load(len(good_ids), failed)
+            if refused:  # a bad value is never loaded again, by any node
+                self.pool.submit_delete(refused)
+            done.add(req_id)
+        return done
+
+    def get_finished(self, finished_req_ids: set[str]):
+        self._flush_copies()
+        finished_recving = self._finish_loads()
+        finished_sending = set()
+        for req_id in finished_req_ids:
+            if req_id in self._stored_reqs and \
+                    req_id not in self._pending_copies:
+                self._stored_reqs.discard(req_id)
+                finished_sending.add(req_id)
+            elif req_id in self._stored_reqs:
+                self._waiting_finish.add(req_id)
+        for req_id in list(self._waiting_finish):
+            if req_id not in self._pending_copies:
+                self._waiting_finish.discard(req_id)
+                self._stored_reqs.discard(req_id)
+                finished_sending.add(req_id)
+        return finished_sending or None, finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

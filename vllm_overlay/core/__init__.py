@@ -1,0 +1,8 @@
+"""The vLLM-free core: KV layout description, block copies, the offload
+mover, the shared-pool client, the PP budget arithmetic and the patch helper.
+
+Nothing under this package imports vLLM (``tests/unit/test_core_boundary.py``
+imports every module here with ``import vllm`` blocked); the adapters that
+talk to vLLM live in ``vllm_overlay.integration``, ``vllm_overlay.connectors``
+and ``vllm_overlay.patches``.
+"""
