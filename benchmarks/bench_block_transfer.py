@@ -56,8 +56,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stock_swap  # noqa: E402
 
-from vllm_overlay.core.ops.block_copy import (BlockTable, _word_size,  # noqa: E402
-                                         gather, scatter)
+from vllm_overlay.core.ops.block_copy import (  # noqa: E402
+    BlockTable,
+    _word_size,
+    gather,
+    scatter,
+)
 
 # name: (layers, kv heads, head size); bf16, 16-token blocks.
 SHAPES = {
@@ -71,27 +75,50 @@ DTYPE = torch.bfloat16
 class Caches:
     """The same KV data in both layouts, plus pinned host pools."""
 
-    def __init__(self, shape: tuple[int, int, int], num_blocks: int,
-                 host_rows: int, device: str, stock: bool) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        num_blocks: int,
+        host_rows: int,
+        device: str,
+        stock: bool,
+    ) -> None:
         layers, heads, head = shape
         self.device = device
-        self.cross = torch.randn(num_blocks, layers, 2, BLOCK_TOKENS, heads,
-                                 head, dtype=DTYPE, device=device)
+        self.cross = torch.randn(
+            num_blocks, layers, 2, BLOCK_TOKENS, heads, head, dtype=DTYPE, device=device
+        )
         # Stock: per layer (2, blocks, tokens, heads, head), flash-attn NHD.
-        self.per_layer = [self.cross[:, l].transpose(0, 1).contiguous()
-                          for l in range(layers)]
+        self.per_layer = [
+            self.cross[:, layer].transpose(0, 1).contiguous() for layer in range(layers)
+        ]
         self.cross_table = BlockTable.from_tensors([self.cross], 0)
         self.layer_table = BlockTable.from_tensors(self.per_layer, 1)
         self.block_bytes = self.cross_table.block_bytes
         pin = device == "cuda"
-        self.host = torch.empty(host_rows, self.block_bytes,
-                                dtype=torch.uint8, pin_memory=pin)
+        self.host = torch.empty(
+            host_rows, self.block_bytes, dtype=torch.uint8, pin_memory=pin
+        )
         # vLLM's handler: one pinned host tensor per layer, GPU shape.
-        self.layer_host = (list(torch.empty(
-            layers, 2, host_rows, BLOCK_TOKENS, heads, head, dtype=DTYPE,
-            pin_memory=pin).unbind(0)) if stock else [])
-        self.flat_dev = torch.empty(host_rows * self.block_bytes,
-                                    dtype=torch.uint8, device=device)
+        self.layer_host = (
+            list(
+                torch.empty(
+                    layers,
+                    2,
+                    host_rows,
+                    BLOCK_TOKENS,
+                    heads,
+                    head,
+                    dtype=DTYPE,
+                    pin_memory=pin,
+                ).unbind(0)
+            )
+            if stock
+            else []
+        )
+        self.flat_dev = torch.empty(
+            host_rows * self.block_bytes, dtype=torch.uint8, device=device
+        )
 
 
 class Timer:
@@ -119,8 +146,9 @@ class Timer:
             fn()
         return (time.perf_counter() - start) / inner
 
-    def interleaved(self, fns: dict, repeats: int, inner: int
-                    ) -> dict[str, list[float]]:
+    def interleaved(
+        self, fns: dict, repeats: int, inner: int
+    ) -> dict[str, list[float]]:
         """Warm each method up, then time them round-robin (ABAB...),
         alternating the order each round."""
         for fn in fns.values():
@@ -128,7 +156,7 @@ class Timer:
         self.sync()
         samples: dict[str, list[float]] = {m: [] for m in fns}
         for r in range(repeats):
-            for m in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            for m in list(fns) if r % 2 == 0 else list(reversed(fns)):
                 samples[m].append(self.once(fns[m], inner))
         return samples
 
@@ -146,14 +174,15 @@ def methods(c: Caches, ids: torch.Tensor, to_host: bool, gpu: bool, op):
     out = {}
     if op is not None:
         mapping = mapping_of(ids, rows) if to_host else mapping_of(rows, ids)
-        src, dst = ((c.per_layer, c.layer_host) if to_host
-                    else (c.layer_host, c.per_layer))
+        src, dst = (
+            (c.per_layer, c.layer_host) if to_host else (c.layer_host, c.per_layer)
+        )
         out["stock"] = lambda src=src, dst=dst: stock_swap.swap_all_layers(
-            op, src, dst, mapping, kv_first=True)
+            op, src, dst, mapping, kv_first=True
+        )
         cross_host = c.host.view(DTYPE).view(c.host.shape[0], -1)
         cross_dev = c.cross.view(c.cross.shape[0], -1)
-        src, dst = ((cross_dev, cross_host) if to_host
-                    else (cross_host, cross_dev))
+        src, dst = (cross_dev, cross_host) if to_host else (cross_host, cross_dev)
         out["cross-swap"] = lambda src=src, dst=dst: op(src, dst, mapping)
     else:
         out["py-loop"] = lambda: move(c.layer_table, ids, host, "dma")
@@ -161,11 +190,13 @@ def methods(c: Caches, ids: torch.Tensor, to_host: bool, gpu: bool, op):
     if gpu:
         out["cross-triton"] = lambda: move(c.cross_table, ids, host, "triton")
         out["layer-triton"] = lambda: move(c.layer_table, ids, host, "triton")
-    flat = c.flat_dev[:n * c.block_bytes]
+    flat = c.flat_dev[: n * c.block_bytes]
     flat_host = host.view(-1)
-    out["contig"] = ((lambda: flat_host.copy_(flat, non_blocking=True))
-                     if to_host else
-                     (lambda: flat.copy_(flat_host, non_blocking=True)))
+    out["contig"] = (
+        (lambda: flat_host.copy_(flat, non_blocking=True))
+        if to_host
+        else (lambda: flat.copy_(flat_host, non_blocking=True))
+    )
     return out
 
 
@@ -176,23 +207,21 @@ def check_bytes(c: Caches, ids: torch.Tensor, gpu: bool, op) -> None:
     n = ids.numel()
     sync = Timer(c.device).sync
     for table in (c.cross_table, c.layer_table):
-        want = torch.empty(n, table.block_bytes, dtype=torch.uint8,
-                           device=c.device)
+        want = torch.empty(n, table.block_bytes, dtype=torch.uint8, device=c.device)
         gather(table, ids, want, "reference")
         for method in ("dma",) + (("triton",) if gpu else ()):
-            got = torch.empty(n, table.block_bytes, dtype=torch.uint8,
-                              pin_memory=gpu)
+            got = torch.empty(n, table.block_bytes, dtype=torch.uint8, pin_memory=gpu)
             gather(table, ids, got, method)
             sync()
             if not torch.equal(got.to(want.device), want):
-                sys.exit(f"byte mismatch: {method} on "
-                         f"{table.runs_per_block}-run table")
+                sys.exit(f"byte mismatch: {method} on {table.runs_per_block}-run table")
     if op is None:
         return
     rows = torch.arange(n, dtype=torch.int64)
     # d2h: host row i of every layer holds device block ids[i].
-    stock_swap.swap_all_layers(op, c.per_layer, c.layer_host,
-                               mapping_of(ids, rows), kv_first=True)
+    stock_swap.swap_all_layers(
+        op, c.per_layer, c.layer_host, mapping_of(ids, rows), kv_first=True
+    )
     sync()
     for dev, host in zip(c.per_layer, c.layer_host):
         if not torch.equal(host[:, :n].to(c.device), dev[:, ids]):
@@ -200,8 +229,9 @@ def check_bytes(c: Caches, ids: torch.Tensor, gpu: bool, op) -> None:
     # h2d into reversed ids, check, then put the original bytes back.
     before = [t[:, ids].clone() for t in c.per_layer]
     flipped = ids.flip(0)
-    stock_swap.swap_all_layers(op, c.layer_host, c.per_layer,
-                               mapping_of(rows, flipped), kv_first=True)
+    stock_swap.swap_all_layers(
+        op, c.layer_host, c.per_layer, mapping_of(rows, flipped), kv_first=True
+    )
     sync()
     for dev, host in zip(c.per_layer, c.layer_host):
         if not torch.equal(dev[:, flipped], host[:, :n].to(c.device)):
@@ -223,55 +253,80 @@ def peak_pinned(timer: Timer, repeats: int) -> dict[str, float]:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     samples = timer.interleaved(
-        {"d2h": lambda: host.copy_(dev, non_blocking=True),
-         "h2d": lambda: dev.copy_(host, non_blocking=True)}, repeats, 2)
+        {
+            "d2h": lambda: host.copy_(dev, non_blocking=True),
+            "h2d": lambda: dev.copy_(host, non_blocking=True),
+        },
+        repeats,
+        2,
+    )
     out = {}
     for d, s in samples.items():
         med = statistics.median(s)
         out[d] = nbytes / med / 1e9
-        print(f"# peak pinned memcpy {d}: {out[d]:.1f} GB/s (1 GiB, median "
-              f"of {repeats}, spread {(max(s) - min(s)) / med:.1%})")
+        print(
+            f"# peak pinned memcpy {d}: {out[d]:.1f} GB/s (1 GiB, median "
+            f"of {repeats}, spread {(max(s) - min(s)) / med:.1%})"
+        )
     return out
 
 
 def run(args) -> None:
     gpu = torch.cuda.is_available() and not args.cpu
     device = "cuda" if gpu else "cpu"
-    counts = args.blocks or ([1, 16, 256] if args.quick
-                             else [1, 16, 64, 256, 1024])
+    counts = args.blocks or ([1, 16, 256] if args.quick else [1, 16, 64, 256, 1024])
     shapes = args.shapes or list(SHAPES)
-    where = (torch.cuda.get_device_name() if gpu
-             else "CPU (no GPU: ratios only)")
+    where = torch.cuda.get_device_name() if gpu else "CPU (no GPU: ratios only)"
     timer = Timer(device)
     if not gpu:
         # Every method single-threaded (the ported loop is): on a small,
         # shared CPU, torch's intra-op threads only add noise.
         torch.set_num_threads(1)
-    print(f"# KV block transfers on {where}; bf16, {BLOCK_TOKENS}-token "
-          f"blocks, random block ids, {args.repeats} interleaved rounds, "
-          f"median; torch {torch.__version__}"
-          f"{'' if gpu else '; 1 CPU thread'}")
+    print(
+        f"# KV block transfers on {where}; bf16, {BLOCK_TOKENS}-token "
+        f"blocks, random block ids, {args.repeats} interleaved rounds, "
+        f"median; torch {torch.__version__}"
+        f"{'' if gpu else '; 1 CPU thread'}"
+    )
     if args.no_stock_port:
         op, why = None, "--no-stock-port"
     else:
         op, why = stock_swap.build(gpu, verbose=True)
     if op is None:
-        print(f"# stock column skipped ({why}); unit: py-loop, the earlier "
-              "Python loop (one Tensor.copy_ per layer per K/V per block), "
-              "which is NOT vLLM's code path")
+        print(
+            f"# stock column skipped ({why}); unit: py-loop, the earlier "
+            "Python loop (one Tensor.copy_ per layer per K/V per block), "
+            "which is NOT vLLM's code path"
+        )
     else:
-        print(f"# stock = vLLM 0.11.2 swap_blocks call pattern, {why}: per "
-              "layer swap_blocks(K) then swap_blocks(V), int64 CPU mapping")
+        print(
+            f"# stock = vLLM 0.11.2 swap_blocks call pattern, {why}: per "
+            "layer swap_blocks(K) then swap_blocks(V), int64 CPU mapping"
+        )
     peak = peak_pinned(timer, args.repeats) if gpu else None
-    raw = {"device": where, "torch": torch.__version__, "stock": why,
-           "peak_pinned_gbps": peak, "rows": []}
+    raw = {
+        "device": where,
+        "torch": torch.__version__,
+        "stock": why,
+        "peak_pinned_gbps": peak,
+        "rows": [],
+    }
     unit = "stock" if op is not None else "py-loop"
-    names = ([unit, "cross-swap"] if op is not None else [unit]) + \
-        ["cross-dma"] + (["cross-triton", "layer-triton"] if gpu else []) + \
-        ["contig"]
+    names = (
+        ([unit, "cross-swap"] if op is not None else [unit])
+        + ["cross-dma"]
+        + (["cross-triton", "layer-triton"] if gpu else [])
+        + ["contig"]
+    )
     ratios = [m for m in names[1:] if m != "contig"]
-    header = ["shape", "blocks", "dir", "block", *names,
-              *[f"{m}/{unit}" for m in ratios]]
+    header = [
+        "shape",
+        "blocks",
+        "dir",
+        "block",
+        *names,
+        *[f"{m}/{unit}" for m in ratios],
+    ]
     header += ["best-cross/peak" if gpu else "cross-dma/contig", "spread"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -280,15 +335,19 @@ def run(args) -> None:
         pool = max(counts) * 2
         c = Caches(shape, pool, max(counts), device, op is not None)
         gen = torch.Generator().manual_seed(0)
-        check_bytes(c, torch.randperm(pool, generator=gen)[:min(7, max(counts))],
-                    gpu, op)
+        check_bytes(
+            c, torch.randperm(pool, generator=gen)[: min(7, max(counts))], gpu, op
+        )
         if gpu:
-            for label, table in (("cross", c.cross_table),
-                                 ("per-layer", c.layer_table)):
-                word, vec = _word_size(table, c.host,
-                                       table.segments[0].storage)
-                print(f"# triton variant, {name} {label}: {8 * word * vec}"
-                      f"-bit accesses ({'aligned' if vec > 1 else 'fallback'})")
+            for label, table in (
+                ("cross", c.cross_table),
+                ("per-layer", c.layer_table),
+            ):
+                word, vec = _word_size(table, c.host, table.segments[0].storage)
+                print(
+                    f"# triton variant, {name} {label}: {8 * word * vec}"
+                    f"-bit accesses ({'aligned' if vec > 1 else 'fallback'})"
+                )
         for n in counts:
             ids = torch.randperm(pool, generator=gen)[:n].to(torch.int64)
             nbytes = n * c.block_bytes
@@ -296,13 +355,20 @@ def run(args) -> None:
             for to_host in (True, False):
                 fns = methods(c, ids, to_host, gpu, op)
                 samples = timer.interleaved(fns, args.repeats, inner)
-                raw["rows"].append({
-                    "shape": name, "blocks": n, "bytes": nbytes,
-                    "dir": "d2h" if to_host else "h2d", "inner": inner,
-                    "seconds": samples})
+                raw["rows"].append(
+                    {
+                        "shape": name,
+                        "blocks": n,
+                        "bytes": nbytes,
+                        "dir": "d2h" if to_host else "h2d",
+                        "inner": inner,
+                        "seconds": samples,
+                    }
+                )
                 t = {m: statistics.median(s) for m, s in samples.items()}
-                spread = max((max(s) - min(s)) / statistics.median(s)
-                             for s in samples.values())
+                spread = max(
+                    (max(s) - min(s)) / statistics.median(s) for s in samples.values()
+                )
                 if gpu:
                     cells = [f"{nbytes / t[m] / 1e9:.2f}" for m in names]
                     best = min(t[m] for m in names if m.startswith("cross"))
@@ -311,14 +377,26 @@ def run(args) -> None:
                 else:
                     cells = [f"{t[unit] / t[m]:.2f}x" for m in names]
                     last = f"{t['contig'] / t['cross-dma']:.0%}"
-                row = [name, str(n), "d2h" if to_host else "h2d",
-                       f"{c.block_bytes // 1024} KiB", *cells,
-                       *[f"{t[unit] / t[m]:.2f}x" for m in ratios],
-                       last, f"{spread:.0%}"]
+                row = [
+                    name,
+                    str(n),
+                    "d2h" if to_host else "h2d",
+                    f"{c.block_bytes // 1024} KiB",
+                    *cells,
+                    *[f"{t[unit] / t[m]:.2f}x" for m in ratios],
+                    last,
+                    f"{spread:.0%}",
+                ]
                 print("| " + " | ".join(row) + " |", flush=True)
         del c
-    print(f"\nunits: method columns in {'GB/s' if gpu else 'x ' + unit}"
-          f"{'; best-cross/peak = fastest cross-layer method / peak pinned memcpy' if gpu else ''}")
+    print(
+        f"\nunits: method columns in {'GB/s' if gpu else 'x ' + unit}"
+        + (
+            "; best-cross/peak = fastest cross-layer method / peak pinned memcpy"
+            if gpu
+            else ""
+        )
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
@@ -326,17 +404,21 @@ def run(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="few block counts (CI-sized)")
-    parser.add_argument("--cpu", action="store_true",
-                        help="CPU even if a GPU is present")
+    parser.add_argument(
+        "--quick", action="store_true", help="few block counts (CI-sized)"
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="CPU even if a GPU is present"
+    )
     parser.add_argument("--blocks", type=int, nargs="*")
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write every timing sample here")
-    parser.add_argument("--no-stock-port", action="store_true",
-                        help="do not build the C++ swap_blocks port (the "
-                        "unit becomes the Python loop)")
+    parser.add_argument(
+        "--no-stock-port",
+        action="store_true",
+        help="do not build the C++ swap_blocks port (the unit becomes the Python loop)",
+    )
     run(parser.parse_args(argv))
 
 

@@ -37,22 +37,22 @@ from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
 NS = b"bench-namespace!"
 
 
-def pool_throughput(url: str, size: int, count: int,
-                    tag: str = "run") -> tuple[float, float]:
-    pool = KVPool(PoolConfig(url=url, max_inflight_bytes=1 << 40,
-                             timeout_s=30.0))
+def pool_throughput(
+    url: str, size: int, count: int, tag: str = "run"
+) -> tuple[float, float]:
+    pool = KVPool(PoolConfig(url=url, max_inflight_bytes=1 << 40, timeout_s=30.0))
     payload = os.urandom(size)
     keys = [b"bench:%s:%d:%d" % (tag.encode(), size, i) for i in range(count)]
     values = [codec.encode(NS, k, payload) for k in keys]
     batch = 16
     start = time.perf_counter()
     for i in range(0, count, batch):
-        pool.submit_store(list(zip(keys[i:i + batch], values[i:i + batch])))
+        pool.submit_store(list(zip(keys[i : i + batch], values[i : i + batch])))
     pool.drain(timeout_s=600)
     out_s = time.perf_counter() - start
     start = time.perf_counter()
     for i in range(0, count, batch):
-        pool.submit_load(i, keys[i:i + batch])
+        pool.submit_load(i, keys[i : i + batch])
     pool.drain(timeout_s=600)
     in_s = time.perf_counter() - start
     loaded = sum(1 for _, vals in pool.poll_loads() for v in vals if v)
@@ -64,11 +64,32 @@ def pool_throughput(url: str, size: int, count: int,
 
 def redis_benchmark(port: int, size: int, count: int) -> tuple[float, float]:
     out = subprocess.run(
-        ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size),
-         "-n", str(count), "-P", "16", "-c", "2", "-r", str(count), "-q"],
-        capture_output=True, text=True, timeout=600).stdout
-    rps = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r"(SET|GET): ([\d.]+) requests per second", out)}
+        [
+            "redis-benchmark",
+            "-p",
+            str(port),
+            "-t",
+            "set,get",
+            "-d",
+            str(size),
+            "-n",
+            str(count),
+            "-P",
+            "16",
+            "-c",
+            "2",
+            "-r",
+            str(count),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
+    rps = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"(SET|GET): ([\d.]+) requests per second", out)
+    }
     return rps["SET"] * size / 1e9, rps["GET"] * size / 1e9
 
 
@@ -81,14 +102,20 @@ def decode_step_times(url: str, tokens: int) -> dict[str, float]:
     from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
     cpu_defaults()
-    llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=1024,
-              num_gpu_blocks_override=32, enforce_eager=True, seed=0,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="SharedKVPoolConnector", kv_role="kv_both",
-                  kv_connector_extra_config={"url": url,
-                                             "namespace": "bench"}))
-    params = SamplingParams(temperature=0.0, max_tokens=tokens,
-                            ignore_eos=True)
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=1024,
+        num_gpu_blocks_override=32,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SharedKVPoolConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"url": url, "namespace": "bench"},
+        ),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     prompts = [f"decode benchmark prompt {i}" for i in range(4)]
 
     def per_token() -> float:
@@ -135,16 +162,21 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--count", type=int, help="values per size")
-    parser.add_argument("--no-decode", action="store_true",
-                        help="skip the decode step-time part")
+    parser.add_argument(
+        "--no-decode", action="store_true", help="skip the decode step-time part"
+    )
     args = parser.parse_args(argv)
-    sizes = ([256 << 10] if args.quick else [256 << 10, 2 << 20])
+    sizes = [256 << 10] if args.quick else [256 << 10, 2 << 20]
     count = args.count or (64 if args.quick else 512)
     with redis_server() as server:
-        print(f"# KV pool vs redis-benchmark on one local redis-server "
-              f"(loopback), {count} values per size, measured in one run")
-        print("| value | pool out | pool in | redis-benchmark SET | "
-              "redis-benchmark GET | pool/bench out | pool/bench in |")
+        print(
+            f"# KV pool vs redis-benchmark on one local redis-server "
+            f"(loopback), {count} values per size, measured in one run"
+        )
+        print(
+            "| value | pool out | pool in | redis-benchmark SET | "
+            "redis-benchmark GET | pool/bench out | pool/bench in |"
+        )
         print("|---|---|---|---|---|---|---|")
         for size in sizes:
             # Warm the server's memory first (first-touch page faults would
@@ -155,22 +187,29 @@ def main(argv=None) -> None:
             server.cli("flushall")
             set_gbs, get_gbs = redis_benchmark(server.port, size, count)
             server.cli("flushall")
-            print(f"| {size >> 10} KiB | {out_gbs:.2f} GB/s | {in_gbs:.2f} "
-                  f"GB/s | {set_gbs:.2f} GB/s | {get_gbs:.2f} GB/s | "
-                  f"{out_gbs / set_gbs:.2f}x | {in_gbs / get_gbs:.2f}x |",
-                  flush=True)
+            print(
+                f"| {size >> 10} KiB | {out_gbs:.2f} GB/s | {in_gbs:.2f} "
+                f"GB/s | {set_gbs:.2f} GB/s | {get_gbs:.2f} GB/s | "
+                f"{out_gbs / set_gbs:.2f}x | {in_gbs / get_gbs:.2f}x |",
+                flush=True,
+            )
         if args.no_decode:
             return
         times = decode_step_times(server.url, 16 if args.quick else 64)
-    print("\n# Decode step time, tiny model on CPU (4 requests), with the "
-          "pool connector")
+    print(
+        "\n# Decode step time, tiny model on CPU (4 requests), with the pool connector"
+    )
     print("| condition | time per decode step | ratio |")
     print("|---|---|---|")
     for name in ("alone", "with swap-out"):
-        print(f"| {name} | {times[name] * 1e3:.2f} ms | "
-              f"{times[name] / times['alone']:.2f}x |")
-    print(f"\nbackground swap-out during the second row: "
-          f"{times['swap-out MB/s']:.0f} MB/s of 2 MiB values")
+        print(
+            f"| {name} | {times[name] * 1e3:.2f} ms | "
+            f"{times[name] / times['alone']:.2f}x |"
+        )
+    print(
+        f"\nbackground swap-out during the second row: "
+        f"{times['swap-out MB/s']:.0f} MB/s of 2 MiB values"
+    )
 
 
 if __name__ == "__main__":

@@ -111,17 +111,22 @@ def build(cuda: bool, build_dir: str | None = None, verbose: bool = False):
     if cuda and cpp_extension.CUDA_HOME is None:
         return None, "CUDA toolkit (CUDA_HOME) not found"
     variant = "cuda" if cuda else "cpu"
-    key = hashlib.sha256(
-        f"{_SOURCE}{torch.__version__}{variant}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{_SOURCE}{torch.__version__}{variant}".encode()).hexdigest()[
+        :12
+    ]
     name = f"overlay_stock_port_{variant}_{key}"
     build_dir = build_dir or os.path.join(tempfile.gettempdir(), name)
     os.makedirs(build_dir, exist_ok=True)
     start = time.perf_counter()
     try:
         cpp_extension.load_inline(
-            name, cpp_sources=_SOURCE, with_cuda=cuda,
+            name,
+            cpp_sources=_SOURCE,
+            with_cuda=cuda,
             extra_cflags=["-O2"] + (["-DPORT_WITH_CUDA"] if cuda else []),
-            build_directory=build_dir, is_python_module=False)
+            build_directory=build_dir,
+            is_python_module=False,
+        )
     except Exception as exc:  # noqa: BLE001 - any build failure: skip
         return None, f"build failed: {type(exc).__name__}: {exc}"[:300]
     took = time.perf_counter() - start
@@ -130,9 +135,13 @@ def build(cuda: bool, build_dir: str | None = None, verbose: bool = False):
     return torch.ops.overlay_stock_port.swap_blocks, NAMES[cuda]
 
 
-def swap_all_layers(op, src_layers: list[torch.Tensor],
-                    dst_layers: list[torch.Tensor], block_mapping: torch.Tensor,
-                    kv_first: bool) -> int:
+def swap_all_layers(
+    op,
+    src_layers: list[torch.Tensor],
+    dst_layers: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+    kv_first: bool,
+) -> int:
     """One transfer, called like vLLM 0.11.2's offloading handler: per
     layer, ``op(src[0], dst[0])`` then ``op(src[1], dst[1])`` when K/V come
     first, else ``op(src, dst)``.  Returns the number of op calls."""

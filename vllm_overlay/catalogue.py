@@ -34,5 +34,6 @@ def render_markdown() -> str:
                 f"- Feature: {patch.feature}\n"
                 f"- Why: {patch.why}\n"
                 f"- Upstream: {patch.upstream}\n"
-                f"- Removal: {patch.removal}\n")
+                f"- Removal: {patch.removal}\n"
+            )
     return "".join(out)

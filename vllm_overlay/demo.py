@@ -53,11 +53,13 @@ def copy_model_path() -> str:
     """eval/model/copy_llama of the source checkout (the overlay is
     installed editable in the harness), or $VLLM_OVERLAY_DEMO_MODEL."""
     path = os.environ.get("VLLM_OVERLAY_DEMO_MODEL") or str(
-        pathlib.Path(__file__).resolve().parents[1] / "eval" / "model"
-        / "copy_llama")
+        pathlib.Path(__file__).resolve().parents[1] / "eval" / "model" / "copy_llama"
+    )
     if not (pathlib.Path(path) / "model.safetensors").exists():
-        raise SystemExit(f"demo: the copy model is not at {path} (run from a "
-                         "source checkout, or set VLLM_OVERLAY_DEMO_MODEL)")
+        raise SystemExit(
+            f"demo: the copy model is not at {path} (run from a "
+            "source checkout, or set VLLM_OVERLAY_DEMO_MODEL)"
+        )
     return path
 
 
@@ -68,8 +70,9 @@ def cpu_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def copy_prompts(n: int, max_tokens: int, seed: int = 2
-                 ) -> tuple[list[str], list[list[str]]]:
+def copy_prompts(
+    n: int, max_tokens: int, seed: int = 2
+) -> tuple[list[str], list[list[str]]]:
     """Prompts built like eval/check_copy.py: a random sequence of 300-380
     tokens, the separator, its first 8-30 tokens; expected: what follows.
     (The model is not perfect: with seed 11 one prompt in 8 goes astray
@@ -78,15 +81,17 @@ def copy_prompts(n: int, max_tokens: int, seed: int = 2
     rng = random.Random(seed)
     prompts, expected = [], []
     for _ in range(n):
-        seq = [f"t{rng.randrange(SEQ_TOKENS):02d}"
-               for _ in range(rng.randint(300, 380))]
+        seq = [
+            f"t{rng.randrange(SEQ_TOKENS):02d}" for _ in range(rng.randint(300, 380))
+        ]
         k = rng.randint(8, 30)
         prompts.append(" ".join(seq) + " | " + " ".join(seq[:k]))
-        expected.append(seq[k:k + max_tokens])
+        expected.append(seq[k : k + max_tokens])
     return prompts, expected
 
 
 # --- a throwaway redis-server -------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -110,9 +115,22 @@ def redis_server():
     port = _free_port()
     workdir = tempfile.mkdtemp(prefix="vllm-overlay-demo-redis-")
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-         "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         while not _pong(port):
@@ -128,6 +146,7 @@ def redis_server():
 
 # --- engines in other processes -----------------------------------------
 
+
 class _NodeProcess:
     """An engine in a forked child of this process.
 
@@ -139,8 +158,9 @@ class _NodeProcess:
     engine at a time), runs its passes and writes ``<name>.json``.
     """
 
-    def __init__(self, name: str, config: dict, workdir: str,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, config: dict, workdir: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.out = os.path.join(workdir, f"{name}.json")
         self.log_path = os.path.join(workdir, f"{name}.log")
@@ -185,8 +205,9 @@ class _NodeProcess:
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(path):
             if self._poll() and not os.path.exists(path):
-                raise RuntimeError(self._failure(
-                    f"exited with status {self.returncode}"))
+                raise RuntimeError(
+                    self._failure(f"exited with status {self.returncode}")
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(self._failure("timed out"))
             time.sleep(0.05)
@@ -208,10 +229,8 @@ class _NodeProcess:
 
     def stop(self) -> None:
         if not self._poll():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, 9)
-            except ProcessLookupError:
-                pass
             os.waitpid(self.pid, 0)
             self.returncode = -9
 
@@ -248,40 +267,53 @@ def _restore(saved: list[int]) -> None:
 
 # --- the report -----------------------------------------------------------
 
+
 def _median_ms(values: list[float]) -> float:
     return 1000 * statistics.median(values)
 
 
 def _ttft_values(entry: dict) -> list[float]:
-    return [r["ttft_s"] if r["ttft_s"] else r["wall_s"]
-            for r in entry["requests"]]
+    return [r["ttft_s"] if r["ttft_s"] else r["wall_s"] for r in entry["requests"]]
 
 
 def _copy(entry: dict, reference: dict | None) -> dict:
     reqs = entry["requests"]
     correct = sum(r["correct"] for r in reqs)
     wanted = sum(r["wanted"] for r in reqs)
-    same = (reference is None or [r["tokens"] for r in reqs]
-            == [r["tokens"] for r in reference["requests"]])
-    return {"accuracy": correct / wanted if wanted else 0.0,
-            "exact": sum(r["exact"] for r in reqs), "prompts": len(reqs),
-            "all_exact": all(r["exact"] for r in reqs),
-            "same_tokens_as_recompute": same}
+    same = reference is None or [r["tokens"] for r in reqs] == [
+        r["tokens"] for r in reference["requests"]
+    ]
+    return {
+        "accuracy": correct / wanted if wanted else 0.0,
+        "exact": sum(r["exact"] for r in reqs),
+        "prompts": len(reqs),
+        "all_exact": all(r["exact"] for r in reqs),
+        "same_tokens_as_recompute": same,
+    }
 
 
-def _row(path: str, source: str, entry: dict, info: dict | None,
-         reference: dict | None, moved_in: tuple[int, int] | None) -> dict:
+def _row(
+    path: str,
+    source: str,
+    entry: dict,
+    info: dict | None,
+    reference: dict | None,
+    moved_in: tuple[int, int] | None,
+) -> dict:
     reqs = entry["requests"]
     blocks, nbytes = moved_in if moved_in else (0, 0)
-    return {"path": path, "kv_from": source,
-            "cached_tokens": sum(r["cached_tokens"] for r in reqs),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
-            "blocks_in": blocks, "bytes_in": nbytes,
-            "copies_per_block": (info["runs_per_block"]
-                                 if moved_in and info else None),
-            "ttft_ms": _median_ms(_ttft_values(entry)),
-            "ttft_best_ms": 1000 * min(_ttft_values(entry)),
-            "copy": _copy(entry, reference)}
+    return {
+        "path": path,
+        "kv_from": source,
+        "cached_tokens": sum(r["cached_tokens"] for r in reqs),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
+        "blocks_in": blocks,
+        "bytes_in": nbytes,
+        "copies_per_block": (info["runs_per_block"] if moved_in and info else None),
+        "ttft_ms": _median_ms(_ttft_values(entry)),
+        "ttft_best_ms": 1000 * min(_ttft_values(entry)),
+        "copy": _copy(entry, reference),
+    }
 
 
 def _fmt_bytes(n: int) -> str:
@@ -293,23 +325,40 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _print_table(rows: list[dict]) -> None:
-    head = ["path", "KV from", "tokens from cache", "blocks in",
-            "bytes in", "copies/block", "copy (acc, exact)", "TTFT ms (best)"]
+    head = [
+        "path",
+        "KV from",
+        "tokens from cache",
+        "blocks in",
+        "bytes in",
+        "copies/block",
+        "copy (acc, exact)",
+        "TTFT ms (best)",
+    ]
     body = []
     for r in rows:
         c = r["copy"]
-        body.append([
-            r["path"], r["kv_from"],
-            f"{r['cached_tokens']}/{r['prompt_tokens']}",
-            str(r["blocks_in"]),
-            _fmt_bytes(r["bytes_in"]) if r["bytes_in"] else "0",
-            str(r["copies_per_block"]) if r["copies_per_block"] else "-",
-            f"{c['accuracy']:.3f}, {'yes' if c['all_exact'] else 'NO'} "
-            f"{c['exact']}/{c['prompts']}",
-            f"{r['ttft_ms']:.1f} ({r['ttft_best_ms']:.1f})"])
+        body.append(
+            [
+                r["path"],
+                r["kv_from"],
+                f"{r['cached_tokens']}/{r['prompt_tokens']}",
+                str(r["blocks_in"]),
+                _fmt_bytes(r["bytes_in"]) if r["bytes_in"] else "0",
+                str(r["copies_per_block"]) if r["copies_per_block"] else "-",
+                f"{c['accuracy']:.3f}, {'yes' if c['all_exact'] else 'NO'} "
+                f"{c['exact']}/{c['prompts']}",
+                f"{r['ttft_ms']:.1f} ({r['ttft_best_ms']:.1f})",
+            ]
+        )
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "| " + " | ".join(  # noqa: E731
-        c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    line = (
+        lambda cells: "| "
+        + " | ".join(  # noqa: E731
+            c.ljust(w) for c, w in zip(cells, widths)
+        )
+        + " |"
+    )
     print(line(head))
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for cells in body:
@@ -321,25 +370,34 @@ def _layout(result: dict) -> str:
     return lines[-1].replace("vllm-overlay: ", "")
 
 
-def run_demo(pool: bool = True, stock_layout: bool = True,
-             num_prompts: int = 4, max_tokens: int = 8,
-             json_path: str | None = None, verbose: bool = False) -> int:
+def run_demo(
+    pool: bool = True,
+    stock_layout: bool = True,
+    num_prompts: int = 4,
+    max_tokens: int = 8,
+    json_path: str | None = None,
+    verbose: bool = False,
+) -> int:
     started = time.perf_counter()
     cpu_defaults()
     if not verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     prompts, expected = copy_prompts(num_prompts, max_tokens)
-    base = {"prompts": prompts, "expected": expected,
-            "max_tokens": max_tokens}
+    base = {"prompts": prompts, "expected": expected, "max_tokens": max_tokens}
     workdir = tempfile.mkdtemp(prefix="vllm-overlay-demo-")
     pool_note = None
     if pool and shutil.which("redis-server") is None:
-        pool_note = ("pool reload row skipped: redis-server is not on PATH "
-                     "(scripts/setup_env.sh installs it)")
+        pool_note = (
+            "pool reload row skipped: redis-server is not on PATH "
+            "(scripts/setup_env.sh installs it)"
+        )
     elif not pool:
         pool_note = "pool reload row skipped: --no-pool"
-    print("vllm-overlay demo: starting the engines (copy model "
-          f"{copy_model_path()}; {num_prompts} prompts)...", flush=True)
+    print(
+        "vllm-overlay demo: starting the engines (copy model "
+        f"{copy_model_path()}; {num_prompts} prompts)...",
+        flush=True,
+    )
 
     from vllm_overlay.demo_node import Node
 
@@ -355,22 +413,26 @@ def run_demo(pool: bool = True, stock_layout: bool = True,
         procs: dict[str, _NodeProcess] = {}
         if pool_note is None:
             url = stack.enter_context(redis_server())
-            pool_cfg = {**base, "connector": "pool", "url": url,
-                        "namespace": "demo"}
+            pool_cfg = {**base, "connector": "pool", "url": url, "namespace": "demo"}
             procs["writer"] = _NodeProcess(
-                "pool-writer", {**pool_cfg, "passes": ["cold"]}, workdir)
+                "pool-writer", {**pool_cfg, "passes": ["cold"]}, workdir
+            )
             procs["reader"] = _NodeProcess(
-                "pool-reader", {**pool_cfg, "passes": ["pool"]}, workdir)
+                "pool-reader", {**pool_cfg, "passes": ["pool"]}, workdir
+            )
         if stock_layout:
             procs["stock"] = _NodeProcess(
-                "stock-layout", {**base, "connector": "offload",
-                                 "passes": ["cold", "reload"]}, workdir,
-                env={"VLLM_OVERLAY_SKIP_PATCHES": "CL-06"})
+                "stock-layout",
+                {**base, "connector": "offload", "passes": ["cold", "reload"]},
+                workdir,
+                env={"VLLM_OVERLAY_SKIP_PATCHES": "CL-06"},
+            )
         for proc in procs.values():
             stack.callback(proc.stop)
         with _quiet(None if verbose else os.path.join(workdir, "main.log")):
-            main = Node({**base, "connector": "offload",
-                         "passes": ["cold", "hit", "reload"]})
+            main = Node(
+                {**base, "connector": "offload", "passes": ["cold", "hit", "reload"]}
+            )
         phases = {"main_engine_up": time.perf_counter() - started}
         ready = {}
         for name, proc in procs.items():
@@ -384,8 +446,7 @@ def run_demo(pool: bool = True, stock_layout: bool = True,
         results["main"] = main.run_passes()
         phases["main_measured"] = time.perf_counter() - started
         for name in ("stock", "writer", "reader"):
-            if name not in ready or (name == "reader"
-                                     and "writer" not in results):
+            if name not in ready or (name == "reader" and "writer" not in results):
                 continue
             try:
                 results[name] = ready[name].measure()
@@ -399,86 +460,132 @@ def run_demo(pool: bool = True, stock_layout: bool = True,
     rows = [
         _row("recompute (cold)", "prefill", cold, info, None, None),
         _row("device prefix hit", "device cache", hit, info, cold, None),
-        _row("host reload", "host memory", reload, info, cold,
-             (reload["moved"]["load"]["blocks"],
-              reload["moved"]["load"]["bytes"])),
+        _row(
+            "host reload",
+            "host memory",
+            reload,
+            info,
+            cold,
+            (reload["moved"]["load"]["blocks"], reload["moved"]["load"]["bytes"]),
+        ),
     ]
     if "stock" in results:
         s = results["stock"]
         s_reload = s["passes"][1]
-        rows.append(_row("host reload, stock layout", "host memory",
-                         s_reload, s["info"], cold,
-                         (s_reload["moved"]["load"]["blocks"],
-                          s_reload["moved"]["load"]["bytes"])))
+        rows.append(
+            _row(
+                "host reload, stock layout",
+                "host memory",
+                s_reload,
+                s["info"],
+                cold,
+                (
+                    s_reload["moved"]["load"]["blocks"],
+                    s_reload["moved"]["load"]["bytes"],
+                ),
+            )
+        )
     if "reader" in results:
         r = results["reader"]
         r_pass = r["passes"][0]
-        rows.append(_row("pool reload (2nd process)", "Redis", r_pass,
-                         r["info"], cold,
-                         (r_pass["moved"]["loaded_blocks"],
-                          r_pass["moved"]["bytes_in"])))
+        rows.append(
+            _row(
+                "pool reload (2nd process)",
+                "Redis",
+                r_pass,
+                r["info"],
+                cold,
+                (r_pass["moved"]["loaded_blocks"], r_pass["moved"]["bytes_in"]),
+            )
+        )
 
     print("\n=== vllm-overlay demo " + "=" * 56)
-    print(f"model: copy_llama (2-layer Llama, copies a random sequence of "
-          f"{SEQ_TOKENS} tokens after '|'); {num_prompts} prompts of "
-          f"{min(r['prompt_tokens'] for r in cold['requests'])}-"
-          f"{max(r['prompt_tokens'] for r in cold['requests'])} tokens, "
-          f"{max_tokens} tokens generated greedily and compared with the "
-          "sequence")
+    print(
+        f"model: copy_llama (2-layer Llama, copies a random sequence of "
+        f"{SEQ_TOKENS} tokens after '|'); {num_prompts} prompts of "
+        f"{min(r['prompt_tokens'] for r in cold['requests'])}-"
+        f"{max(r['prompt_tokens'] for r in cold['requests'])} tokens, "
+        f"{max_tokens} tokens generated greedily and compared with the "
+        "sequence"
+    )
     print(f"KV cache layout (offload engine): {_layout(main_r)}")
     if "stock" in results:
-        print("KV cache layout (stock-layout engine, CL-06 skipped): "
-              f"{_layout(results['stock'])}")
+        print(
+            "KV cache layout (stock-layout engine, CL-06 skipped): "
+            f"{_layout(results['stock'])}"
+        )
     print()
     _print_table(rows)
     print()
     st = cold["moved"]["store"]
-    print(f"stores in the cold pass: offload {st['blocks']} blocks, "
-          f"{_fmt_bytes(st['bytes'])} to host, {st['copy_calls']} copy calls "
-          f"({info['runs_per_block']} per block, {info['block_bytes']} B per "
-          "block)", end="")
+    print(
+        f"stores in the cold pass: offload {st['blocks']} blocks, "
+        f"{_fmt_bytes(st['bytes'])} to host, {st['copy_calls']} copy calls "
+        f"({info['runs_per_block']} per block, {info['block_bytes']} B per "
+        "block)",
+        end="",
+    )
     if "stock" in results:
         s_st = results["stock"]["passes"][0]["moved"]["store"]
-        print(f"; stock layout {s_st['blocks']} blocks, "
-              f"{s_st['copy_calls']} copy calls "
-              f"({results['stock']['info']['runs_per_block']} per block)",
-              end="")
+        print(
+            f"; stock layout {s_st['blocks']} blocks, "
+            f"{s_st['copy_calls']} copy calls "
+            f"({results['stock']['info']['runs_per_block']} per block)",
+            end="",
+        )
     if "writer" in results:
         w = results["writer"]["passes"][0]["moved"]
-        print(f"; pool writer {w['stored_blocks']} blocks, "
-              f"{_fmt_bytes(w['bytes_out'])} to Redis", end="")
+        print(
+            f"; pool writer {w['stored_blocks']} blocks, "
+            f"{_fmt_bytes(w['bytes_out'])} to Redis",
+            end="",
+        )
     print()
     n = num_prompts
-    source = ("vLLM's RequestOutput.metrics.first_token_latency (arrival to "
-              "first token)" if main_r["ttft_source"] == "vllm" else
-              f"wall time of the whole generate() ({max_tokens} tokens; "
-              "vLLM's metrics were not available)")
-    print(f"TTFT: {source}, median (best) of {n} prompts, one request at a "
-          "time; the CPU is shared, so expect noise.")
+    source = (
+        "vLLM's RequestOutput.metrics.first_token_latency (arrival to first token)"
+        if main_r["ttft_source"] == "vllm"
+        else f"wall time of the whole generate() ({max_tokens} tokens; "
+        "vLLM's metrics were not available)"
+    )
+    print(
+        f"TTFT: {source}, median (best) of {n} prompts, one request at a "
+        "time; the CPU is shared, so expect noise."
+    )
     rec, rel = rows[0]["ttft_ms"], rows[2]["ttft_ms"]
-    print(f"* Recompute can beat a reload here (this run: recompute {rec:.1f} "
-          f"ms, host reload {rel:.1f} ms): on CPU a 2-layer, 64-wide model "
-          "prefills ~400 tokens in milliseconds, and a reload is an "
-          "asynchronous load that costs the scheduler extra steps. Reloading "
-          "pays off when prefill is expensive (big models, long prompts); "
-          "this demo shows what moves and that the copy stays exact, not "
-          "speed.")
+    print(
+        f"* Recompute can beat a reload here (this run: recompute {rec:.1f} "
+        f"ms, host reload {rel:.1f} ms): on CPU a 2-layer, 64-wide model "
+        "prefills ~400 tokens in milliseconds, and a reload is an "
+        "asynchronous load that costs the scheduler extra steps. Reloading "
+        "pays off when prefill is expensive (big models, long prompts); "
+        "this demo shows what moves and that the copy stays exact, not "
+        "speed."
+    )
     if pool_note:
         print(pool_note)
     for error in errors:
         print(f"ERROR: {error}")
     wall = time.perf_counter() - started
-    print(f"wall time {wall:.0f} s "
-          f"(engine start {main_r['engine_s']:.0f} s in this process)")
+    print(
+        f"wall time {wall:.0f} s "
+        f"(engine start {main_r['engine_s']:.0f} s in this process)"
+    )
     print("=" * 78, flush=True)
     if json_path:
-        summary = {"rows": rows, "pool_note": pool_note, "errors": errors,
-                   "wall_s": wall, "ttft_source": main_r["ttft_source"],
-                   "layout_lines": {k: v.get("layout_lines")
-                                    for k, v in results.items()},
-                   "runs_per_block": {k: v["info"].get("runs_per_block")
-                                      for k, v in results.items()},
-                   "phases": phases, "raw": results}
+        summary = {
+            "rows": rows,
+            "pool_note": pool_note,
+            "errors": errors,
+            "wall_s": wall,
+            "ttft_source": main_r["ttft_source"],
+            "layout_lines": {k: v.get("layout_lines") for k, v in results.items()},
+            "runs_per_block": {
+                k: v["info"].get("runs_per_block") for k, v in results.items()
+            },
+            "phases": phases,
+            "raw": results,
+        }
         pathlib.Path(json_path).write_text(json.dumps(summary, indent=1))
     ok = not errors and all(r["copy"]["all_exact"] for r in rows)
     if ok:

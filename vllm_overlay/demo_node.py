@@ -46,12 +46,15 @@ class _LayoutLines(logging.Handler):
 
 def _worker_info(worker) -> dict:
     """Runs in the worker (collective_rpc): the connector's own totals."""
-    from vllm.distributed.kv_transfer import (get_kv_transfer_group,
-                                              has_kv_transfer_group)
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
 
-    info = {"cross_layer":
-            getattr(worker.model_runner, "cross_layers_kv_cache", None)
-            is not None}
+    info = {
+        "cross_layer": getattr(worker.model_runner, "cross_layers_kv_cache", None)
+        is not None
+    }
     if not has_kv_transfer_group():
         return info
     connector = get_kv_transfer_group()
@@ -62,10 +65,10 @@ def _worker_info(worker) -> dict:
     else:  # OverlayOffloadingConnector
         handler = connector.connector_worker.handler
         table = handler.mover.table
-        info.update(kind="offload", totals=handler.cumulative(),
-                    method=handler.mover.method)
-    info.update(runs_per_block=table.runs_per_block,
-                block_bytes=table.block_bytes)
+        info.update(
+            kind="offload", totals=handler.cumulative(), method=handler.mover.method
+        )
+    info.update(runs_per_block=table.runs_per_block, block_bytes=table.block_bytes)
     return info
 
 
@@ -138,18 +141,31 @@ class Node:
 
         if config["connector"] == "offload":
             kv = KVTransferConfig(
-                kv_connector="OverlayOffloadingConnector", kv_role="kv_both",
-                kv_connector_extra_config={"num_cpu_blocks": 64})
+                kv_connector="OverlayOffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"num_cpu_blocks": 64},
+            )
         else:
             kv = KVTransferConfig(
-                kv_connector="SharedKVPoolConnector", kv_role="kv_both",
+                kv_connector="SharedKVPoolConnector",
+                kv_role="kv_both",
                 kv_connector_extra_config={
-                    "url": config["url"], "namespace": config["namespace"],
-                    "timeout_s": 5.0, "connect_timeout_s": 2.0})
+                    "url": config["url"],
+                    "namespace": config["namespace"],
+                    "timeout_s": 5.0,
+                    "connect_timeout_s": 2.0,
+                },
+            )
         started = time.perf_counter()
-        self.llm = LLM(model=copy_model_path(), dtype="float32",
-                       max_model_len=1024, num_gpu_blocks_override=64,
-                       enforce_eager=True, seed=0, kv_transfer_config=kv)
+        self.llm = LLM(
+            model=copy_model_path(),
+            dtype="float32",
+            max_model_len=1024,
+            num_gpu_blocks_override=64,
+            enforce_eager=True,
+            seed=0,
+            kv_transfer_config=kv,
+        )
         self.engine_s = time.perf_counter() - started
         self.vllm_ttft = _enable_request_metrics(self.llm)
 
@@ -171,8 +187,7 @@ class Node:
                     # Stores finish asynchronously; one more step completes
                     # them and frees the blocks, so the reset really empties
                     # the device cache (the host pool keeps its copies).
-                    llm.generate(["t00"], SamplingParams(max_tokens=1),
-                                 use_tqdm=False)
+                    llm.generate(["t00"], SamplingParams(max_tokens=1), use_tqdm=False)
                     # LLM.reset_prefix_cache returns None in 0.11.2; the
                     # reload's cached tokens and loaded blocks show it worked.
                     llm.reset_prefix_cache()
@@ -184,22 +199,30 @@ class Node:
                 got = out.outputs[0].text.split()
                 entry = passes[kind]
                 entry["moved"] = _add(entry["moved"], moved)
-                entry["requests"].append({
-                    "prompt_tokens": len(out.prompt_token_ids),
-                    "cached_tokens": out.num_cached_tokens or 0,
-                    "tokens": list(out.outputs[0].token_ids),
-                    "correct": sum(a == b for a, b in zip(got, want)),
-                    "wanted": len(want),
-                    "exact": got[:len(want)] == want,
-                    "ttft_s": _ttft(out), "wall_s": wall})
+                entry["requests"].append(
+                    {
+                        "prompt_tokens": len(out.prompt_token_ids),
+                        "cached_tokens": out.num_cached_tokens or 0,
+                        "tokens": list(out.outputs[0].token_ids),
+                        "correct": sum(a == b for a, b in zip(got, want)),
+                        "wanted": len(want),
+                        "exact": got[: len(want)] == want,
+                        "ttft_s": _ttft(out),
+                        "wall_s": wall,
+                    }
+                )
         info = llm.collective_rpc(_worker_info)[0]
         logging.getLogger("vllm.overlay").removeHandler(self.layout_lines)
-        return {"passes": [passes[k] for k in kinds], "info": info,
-                "engine_s": self.engine_s,
-                "layout_lines": self.layout_lines.lines,
-                "ttft_source": "vllm" if self.vllm_ttft and all(
-                    r["ttft_s"] for p in passes.values()
-                    for r in p["requests"]) else "wall"}
+        return {
+            "passes": [passes[k] for k in kinds],
+            "info": info,
+            "engine_s": self.engine_s,
+            "layout_lines": self.layout_lines.lines,
+            "ttft_source": "vllm"
+            if self.vllm_ttft
+            and all(r["ttft_s"] for p in passes.values() for r in p["requests"])
+            else "wall",
+        }
 
 
 def _wait_for(path: str, timeout_s: float = 300.0) -> None:

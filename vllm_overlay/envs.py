@@ -22,21 +22,29 @@ class EnvVar:
             return True
         if value in ("", "0", "false", "no", "off"):
             return False
-        raise ValueError(f"{self.name}={self.raw()!r}: expected 0/1, "
-                         "true/false, yes/no or on/off")
+        raise ValueError(
+            f"{self.name}={self.raw()!r}: expected 0/1, true/false, yes/no or on/off"
+        )
 
     def items(self) -> list[str]:
         return [part.strip() for part in self.raw().split(",") if part.strip()]
 
 
-DISABLE = EnvVar("VLLM_OVERLAY_DISABLE", "0", "1",
-                 "the plugin does nothing (stock vLLM)")
-STRICT = EnvVar("VLLM_OVERLAY_STRICT", "0", "1",
-                "a vLLM other than 0.11.2 is an error (default: one warning, "
-                "nothing patched)")
-SKIP_PATCHES = EnvVar("VLLM_OVERLAY_SKIP_PATCHES", "", "CL-06,...",
-                      "leave these patches out (ids in "
-                      "[PATCHES.md](PATCHES.md))")
+DISABLE = EnvVar(
+    "VLLM_OVERLAY_DISABLE", "0", "1", "the plugin does nothing (stock vLLM)"
+)
+STRICT = EnvVar(
+    "VLLM_OVERLAY_STRICT",
+    "0",
+    "1",
+    "a vLLM other than 0.11.2 is an error (default: one warning, nothing patched)",
+)
+SKIP_PATCHES = EnvVar(
+    "VLLM_OVERLAY_SKIP_PATCHES",
+    "",
+    "CL-06,...",
+    "leave these patches out (ids in [PATCHES.md](PATCHES.md))",
+)
 
 ALL = (DISABLE, STRICT, SKIP_PATCHES)
 

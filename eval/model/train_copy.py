@@ -47,8 +47,9 @@ def make_tokenizer(out: pathlib.Path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     fast.model_max_length = 2048
     fast.save_pretrained(out)
     return fast
@@ -61,7 +62,7 @@ def batch(size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     sep = torch.full((size, 1), SPECIAL.index("|"))
     ids = torch.cat([bos, x, sep, x], 1)
     mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[:, length + 2:] = True  # loss on the copy only
+    mask[:, length + 2 :] = True  # loss on the copy only
     return ids, mask
 
 
@@ -81,12 +82,19 @@ def train(out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(out)
     config = LlamaConfig(
-        vocab_size=len(words()), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=2048,
+        vocab_size=len(words()),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
-        torch_dtype="float32")
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     step, start = 0, time.time()
@@ -97,20 +105,26 @@ def train(out: pathlib.Path) -> None:
             ids, mask = batch(size, rng.randint(lo, hi))
             logits = model(ids).logits[:, :-1]
             loss = torch.nn.functional.cross_entropy(
-                logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+                logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]]
+            )
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
             if step % 100 == 0:
-                print(f"step {step} loss {loss.item():.3f} acc@150 "
-                      f"{accuracy(model, 150):.2f} acc@350 "
-                      f"{accuracy(model, 350):.2f} "
-                      f"({time.time() - start:.0f}s)", flush=True)
+                print(
+                    f"step {step} loss {loss.item():.3f} acc@150 "
+                    f"{accuracy(model, 150):.2f} acc@350 "
+                    f"{accuracy(model, 350):.2f} "
+                    f"({time.time() - start:.0f}s)",
+                    flush=True,
+                )
     model.save_pretrained(out, safe_serialization=True)
-    print(f"saved {out}: acc@150 {accuracy(model, 150):.3f} acc@350 "
-          f"{accuracy(model, 350):.3f}")
+    print(
+        f"saved {out}: acc@150 {accuracy(model, 150):.3f} acc@350 "
+        f"{accuracy(model, 350):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -83,17 +83,23 @@ def documents() -> list[dict]:
     rng = random.Random(SEED)
     docs = []
     for i in range(DOCS):
-        seq = [f"t{rng.randrange(NUM_TOKENS):02d}"
-               for _ in range(rng.randint(200, 380))]
+        seq = [
+            f"t{rng.randrange(NUM_TOKENS):02d}" for _ in range(rng.randint(200, 380))
+        ]
         k = rng.randint(4, 40)
         nxt = seq[k]
         others = [f"t{j:02d}" for j in range(NUM_TOKENS) if f"t{j:02d}" != nxt]
         choices = rng.sample(others, 7) + [nxt]
         rng.shuffle(choices)
-        docs.append({"id": i,
-                     "context": " ".join(seq) + " | " + " ".join(seq[:k]),
-                     "choices": choices, "gold": choices.index(nxt),
-                     "answer": " ".join(seq[k:k + 8])})
+        docs.append(
+            {
+                "id": i,
+                "context": " ".join(seq) + " | " + " ".join(seq[:k]),
+                "choices": choices,
+                "gold": choices.index(nxt),
+                "answer": " ".join(seq[k : k + 8]),
+            }
+        )
     return docs
 
 

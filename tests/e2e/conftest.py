@@ -15,19 +15,26 @@ HERE = pathlib.Path(__file__).parent
 
 
 class LLMRun:
-    def __init__(self, config: dict, env: dict[str, str],
-                 script: str = "run_llm.py") -> None:
+    def __init__(
+        self, config: dict, env: dict[str, str], script: str = "run_llm.py"
+    ) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = pathlib.Path(tmp) / "result.json"
             full_env = {**os.environ, **env, "OVERLAY_RESULT_FILE": str(out)}
             proc = subprocess.run(
                 [sys.executable, str(HERE / script), json.dumps(config)],
-                env=full_env, capture_output=True, text=True, timeout=300)
+                env=full_env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             text = out.read_text() if out.exists() else ""
         self.log = proc.stdout + proc.stderr
         if proc.returncode != 0 or not text:
-            raise AssertionError(f"vLLM run {config} {env} failed "
-                                 f"(rc={proc.returncode}):\n{self.log[-6000:]}")
+            raise AssertionError(
+                f"vLLM run {config} {env} failed "
+                f"(rc={proc.returncode}):\n{self.log[-6000:]}"
+            )
         self.result = json.loads(text)
         self.passes = self.result.get("passes")
         self.kv = self.result.get("kv")
@@ -39,7 +46,7 @@ class LLMRun:
         return [p["logprobs"] for p in self.passes[pass_index]]
 
     def layout_log_lines(self) -> list[str]:
-        return [l for l in self.log.splitlines() if "KV cache layout:" in l]
+        return [ln for ln in self.log.splitlines() if "KV cache layout:" in ln]
 
 
 _cache: dict[str, LLMRun] = {}

@@ -24,8 +24,23 @@ from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
 def prompts() -> list[str]:
     """Prompts of different lengths: within one block up to several blocks."""
-    words = ("key value block cache layer token prefix north south river "
-             "stone memory page copy seven").split()
+    words = [
+        "key",
+        "value",
+        "block",
+        "cache",
+        "layer",
+        "token",
+        "prefix",
+        "north",
+        "south",
+        "river",
+        "stone",
+        "memory",
+        "page",
+        "copy",
+        "seven",
+    ]
     out = ["The cache", "One two three four five six seven eight nine ten"]
     for n in (150, 333, 520):
         out.append(" ".join(words[(i * 7) % len(words)] for i in range(n)))
@@ -43,8 +58,11 @@ def inspect_worker(worker) -> dict:
         if cache and isinstance(cache[0], torch.Tensor) and cache[0].numel():
             bound[name] = cache[0]
     buffer = getattr(runner, "cross_layers_kv_cache", None)
-    from vllm.distributed.kv_transfer import (get_kv_transfer_group,
-                                              has_kv_transfer_group)
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
     connector = get_kv_transfer_group() if has_kv_transfer_group() else None
     result = {
         "connector_registered": getattr(connector, "registered_mode", None),
@@ -61,7 +79,8 @@ def inspect_worker(worker) -> dict:
     result["buffer_contiguous"] = buffer.is_contiguous()
     result["same_storage_as_buffer"] = all(
         t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-        for t in bound.values())
+        for t in bound.values()
+    )
     # Element indices of the buffer, viewed through each layer's strides:
     # block b of every layer must cover exactly [b*E, (b+1)*E).
     index = torch.arange(buffer.numel()).view(buffer.shape)
@@ -69,10 +88,14 @@ def inspect_worker(worker) -> dict:
     per_block = buffer.numel() // layout["shape"][0]
     contiguous = True
     for b in range(layout["shape"][0]):
-        elements = torch.cat([
-            torch.as_strided(index, t.shape, t.stride(),
-                             t.storage_offset()).select(blocks_dim, b).flatten()
-            for t in (bound[n] for n in layout["layer_names"])])
+        elements = torch.cat(
+            [
+                torch.as_strided(index, t.shape, t.stride(), t.storage_offset())
+                .select(blocks_dim, b)
+                .flatten()
+                for t in (bound[n] for n in layout["layer_names"])
+            ]
+        )
         expected = torch.arange(b * per_block, (b + 1) * per_block)
         contiguous &= bool(torch.equal(elements.sort().values, expected))
     result["blocks_contiguous_all_layers"] = contiguous
@@ -80,19 +103,25 @@ def inspect_worker(worker) -> dict:
     # of block b starts at b * block_bytes + layer_offsets[l] and is
     # kv_offsets[1] bytes long (layers and kv right after blocks).
     raw = buffer.view(torch.int8).flatten()
-    used = [b for b in range(layout["shape"][0])
-            if bool(raw[b * layout["block_bytes"]:
-                        (b + 1) * layout["block_bytes"]].any())]
+    used = [
+        b
+        for b in range(layout["shape"][0])
+        if bool(raw[b * layout["block_bytes"] : (b + 1) * layout["block_bytes"]].any())
+    ]
     kv_dim = layout["logical_dims"].index("kv")
     k_bytes = layout["kv_offsets"][1]
     match = bool(used)
     for b in used:
-        for l, name in enumerate(layout["layer_names"]):
+        for layer, name in enumerate(layout["layer_names"]):
             view = bound[name].select(blocks_dim, b)
             k = view.select(kv_dim - (kv_dim > blocks_dim), 0)
-            start = b * layout["block_bytes"] + layout["layer_offsets"][l]
-            match &= bool(torch.equal(k.contiguous().view(torch.int8).flatten(),
-                                      raw[start:start + k_bytes]))
+            start = b * layout["block_bytes"] + layout["layer_offsets"][layer]
+            match &= bool(
+                torch.equal(
+                    k.contiguous().view(torch.int8).flatten(),
+                    raw[start : start + k_bytes],
+                )
+            )
     result["used_blocks"] = len(used)
     result["layout_matches_written_bytes"] = match
     return result
@@ -114,28 +143,44 @@ def main(config: dict) -> dict:
         # The module path lets the probe load with the overlay disabled
         # (the upstream-style patched tree in patches/).
         kv_transfer_config = KVTransferConfig(
-            kv_connector="CrossLayerProbeConnector", kv_role="kv_both",
+            kv_connector="CrossLayerProbeConnector",
+            kv_role="kv_both",
             kv_connector_module_path="vllm_overlay.connectors.probe",
-            kv_connector_extra_config=extra)
+            kv_connector_extra_config=extra,
+        )
     kwargs = {}
     if config.get("chunked"):
-        kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=64,
-                      max_num_seqs=4)
-    llm = LLM(model=tiny_model_path(), dtype=config.get("dtype", "float32"),
-              max_model_len=1024, num_gpu_blocks_override=48,
-              enforce_eager=True, seed=0,
-              kv_transfer_config=kv_transfer_config, **kwargs)
+        kwargs.update(
+            enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4
+        )
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype=config.get("dtype", "float32"),
+        max_model_len=1024,
+        num_gpu_blocks_override=48,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=kv_transfer_config,
+        **kwargs,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     passes = []
     for _ in range(2):  # the second pass hits the prefix cache
         outs = llm.generate(prompts(), params, use_tqdm=False)
-        passes.append([{
-            "prompt_tokens": len(o.prompt_token_ids),
-            "tokens": list(o.outputs[0].token_ids),
-            "logprobs": [lp[t].logprob for lp, t in
-                         zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
-            "cached_tokens": o.num_cached_tokens or 0,
-        } for o in outs])
+        passes.append(
+            [
+                {
+                    "prompt_tokens": len(o.prompt_token_ids),
+                    "tokens": list(o.outputs[0].token_ids),
+                    "logprobs": [
+                        lp[t].logprob
+                        for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
+                    ],
+                    "cached_tokens": o.num_cached_tokens or 0,
+                }
+                for o in outs
+            ]
+        )
     kv = llm.collective_rpc(inspect_worker)[0]
     return {"passes": passes, "kv": kv}
 

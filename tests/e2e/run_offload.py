@@ -26,8 +26,23 @@ import sys
 
 from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
-WORDS = ("key value block cache layer token prefix north south river stone "
-         "memory page copy seven").split()
+WORDS = [
+    "key",
+    "value",
+    "block",
+    "cache",
+    "layer",
+    "token",
+    "prefix",
+    "north",
+    "south",
+    "river",
+    "stone",
+    "memory",
+    "page",
+    "copy",
+    "seven",
+]
 
 
 def prompt(n_words: int, shift: int) -> str:
@@ -35,18 +50,22 @@ def prompt(n_words: int, shift: int) -> str:
 
 
 def handler_info(worker, corrupt: bool = False) -> dict:
-    from vllm.distributed.kv_transfer import (get_kv_transfer_group,
-                                              has_kv_transfer_group)
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
 
     if not has_kv_transfer_group():
         return {}
     handler = get_kv_transfer_group().connector_worker.handler
     if corrupt:
         handler.mover.host.zero_()
-    return {"totals": handler.cumulative(),
-            "runs_per_block": handler.mover.table.runs_per_block,
-            "method": handler.mover.method,
-            "cross_layer": worker.model_runner.cross_layers_kv_cache is not None}
+    return {
+        "totals": handler.cumulative(),
+        "runs_per_block": handler.mover.table.runs_per_block,
+        "method": handler.mover.method,
+        "cross_layer": worker.model_runner.cross_layers_kv_cache is not None,
+    }
 
 
 def main(config: dict) -> dict:
@@ -62,31 +81,49 @@ def main(config: dict) -> dict:
 
     kv_transfer_config = None
     if config.get("connector") == "offload":
-        extra = {"num_cpu_blocks": 16,
-                 "block_size": 128 * config.get("block_factor", 1)}
+        extra = {
+            "num_cpu_blocks": 16,
+            "block_size": 128 * config.get("block_factor", 1),
+        }
         if "method" in config:
             extra["transfer_method"] = config["method"]
         kv_transfer_config = KVTransferConfig(
-            kv_connector="OverlayOffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config=extra)
-    llm = LLM(model=tiny_model_path(), dtype=config.get("dtype", "float32"),
-              max_model_len=1024, num_gpu_blocks_override=48,
-              enforce_eager=True, seed=0, disable_log_stats=not multiprocess,
-              kv_transfer_config=kv_transfer_config)
+            kv_connector="OverlayOffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype=config.get("dtype", "float32"),
+        max_model_len=1024,
+        num_gpu_blocks_override=48,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=not multiprocess,
+        kv_transfer_config=kv_transfer_config,
+    )
     if config.get("seeded"):  # random sampling, reproducible per request
-        params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234,
-                                max_tokens=16, logprobs=1)
+        params = SamplingParams(
+            temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, logprobs=1
+        )
     else:
         params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     prompts = [prompt(620, 0), prompt(330, 3)]
 
     def run() -> list[dict]:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [{"prompt_tokens": len(o.prompt_token_ids),
-                 "tokens": list(o.outputs[0].token_ids),
-                 "logprobs": [lp[t].logprob for lp, t in zip(
-                     o.outputs[0].logprobs, o.outputs[0].token_ids)],
-                 "cached_tokens": o.num_cached_tokens or 0} for o in outs]
+        return [
+            {
+                "prompt_tokens": len(o.prompt_token_ids),
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [
+                    lp[t].logprob
+                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
+                ],
+                "cached_tokens": o.num_cached_tokens or 0,
+            }
+            for o in outs
+        ]
 
     first = run()
     # Stores finish asynchronously; one more step lets them complete and
@@ -94,14 +131,16 @@ def main(config: dict) -> dict:
     llm.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)
     if not config.get("keep_device_cache"):
         llm.reset_prefix_cache()
-    after_first = llm.collective_rpc(handler_info,
-                                     args=(config.get("corrupt", False),))[0]
+    after_first = llm.collective_rpc(
+        handler_info, args=(config.get("corrupt", False),)
+    )[0]
     if config.get("unaligned"):
         # Recompute (and cache on the device) only the first cache block.
         tokenizer = llm.get_tokenizer()
         ids = tokenizer(prompts[0])["input_ids"][:130]
-        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1),
-                     use_tqdm=False)
+        llm.generate(
+            {"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False
+        )
     second = run()
     info = llm.collective_rpc(handler_info)[0]
     return {"passes": [first, second], "after_first": after_first, **info}

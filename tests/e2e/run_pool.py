@@ -24,14 +24,31 @@ import time
 
 from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
-WORDS = ("key value block cache layer token prefix north south river stone "
-         "memory page copy seven").split()
+WORDS = [
+    "key",
+    "value",
+    "block",
+    "cache",
+    "layer",
+    "token",
+    "prefix",
+    "north",
+    "south",
+    "river",
+    "stone",
+    "memory",
+    "page",
+    "copy",
+    "seven",
+]
 
 
 def prompts(kind: str) -> list[str]:
     shift = {"shared": 0, "other": 5, "third": 9}[kind]
-    return [" ".join(WORDS[(i * 7 + shift + j) % len(WORDS)]
-                     for i in range(n)) for j, n in enumerate((400, 290))]
+    return [
+        " ".join(WORDS[(i * 7 + shift + j) % len(WORDS)] for i in range(n))
+        for j, n in enumerate((400, 290))
+    ]
 
 
 def worker_pool_totals(worker) -> dict:
@@ -51,22 +68,33 @@ def main(config: dict) -> dict:
 
     kv_transfer_config = None
     if config.get("url"):
-        extra = {"url": config["url"],
-                 "namespace": config.get("namespace", "test"),
-                 "retry_backoff_s": 0.2, "max_retry_backoff_s": 0.5,
-                 "timeout_s": 1.0, "connect_timeout_s": 0.5}
+        extra = {
+            "url": config["url"],
+            "namespace": config.get("namespace", "test"),
+            "retry_backoff_s": 0.2,
+            "max_retry_backoff_s": 0.5,
+            "timeout_s": 1.0,
+            "connect_timeout_s": 0.5,
+        }
         if config.get("cluster"):
             extra["cluster"] = True
         kv_transfer_config = KVTransferConfig(
-            kv_connector="SharedKVPoolConnector", kv_role="kv_both",
-            kv_connector_extra_config=extra)
-    llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=1024,
-              num_gpu_blocks_override=48, enforce_eager=True, seed=0,
-              kv_transfer_config=kv_transfer_config)
+            kv_connector="SharedKVPoolConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=1024,
+        num_gpu_blocks_override=48,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=kv_transfer_config,
+    )
     scheduler_connector = None
     if kv_transfer_config is not None:
-        scheduler_connector = (llm.llm_engine.engine_core.engine_core
-                               .scheduler.connector)
+        scheduler_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     if config.get("copy_from_namespace_of"):
         copy_namespace(scheduler_connector, config["copy_from_namespace_of"])
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
@@ -75,13 +103,19 @@ def main(config: dict) -> dict:
         # One request at a time: a node that loads blocks lets a request
         # wait, which changes batch composition, and vLLM's numerics are
         # not batch-invariant; alone, outputs must match stock bit for bit.
-        outs = [llm.generate([p], params, use_tqdm=False)[0]
-                for p in prompts(kind)]
-        return [{"prompt_tokens": len(o.prompt_token_ids),
-                 "tokens": list(o.outputs[0].token_ids),
-                 "logprobs": [lp[t].logprob for lp, t in zip(
-                     o.outputs[0].logprobs, o.outputs[0].token_ids)],
-                 "cached_tokens": o.num_cached_tokens or 0} for o in outs]
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts(kind)]
+        return [
+            {
+                "prompt_tokens": len(o.prompt_token_ids),
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [
+                    lp[t].logprob
+                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
+                ],
+                "cached_tokens": o.num_cached_tokens or 0,
+            }
+            for o in outs
+        ]
 
     passes = [run(config.get("prompts", "shared"))]
     if config.get("repeat"):
@@ -92,10 +126,23 @@ def main(config: dict) -> dict:
         passes.append(run("other"))
     if config.get("restart"):
         port, workdir = config["restart"]
-        subprocess.Popen(["redis-server", "--port", str(port), "--bind",
-                          "127.0.0.1", "--save", "", "--appendonly", "no",
-                          "--dir", workdir], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+        subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(1.0)  # server up, back-off (<= 0.5 s) expired
         passes.append(run("third"))
     result = {"passes": passes}
@@ -113,7 +160,7 @@ def copy_namespace(connector, source_prefix: str) -> None:
     client = redis.Redis.from_url(connector.config.redis_url)
     mine = f"vkv:{connector.ns.hex()}:"
     for key in client.scan_iter(match=source_prefix + "*"):
-        rest = key.decode()[len(source_prefix):]
+        rest = key.decode()[len(source_prefix) :]
         client.set(mine + rest, client.get(key))
 
 

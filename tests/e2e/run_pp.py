@@ -20,12 +20,16 @@ def worker_kv(worker) -> dict:
     from vllm.distributed.parallel_state import get_pp_group
 
     caches = worker.model_runner.kv_caches
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in caches}
-    return {"pp_rank": get_pp_group().rank_in_group, "layers": len(caches),
-            "kv_bytes": sum(storages.values()),
-            "blocks": worker.model_runner.kv_cache_config.num_blocks,
-            "budget": getattr(worker, "vllm_overlay_kv_budget", None)}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in caches
+    }
+    return {
+        "pp_rank": get_pp_group().rank_in_group,
+        "layers": len(caches),
+        "kv_bytes": sum(storages.values()),
+        "blocks": worker.model_runner.kv_cache_config.num_blocks,
+        "budget": getattr(worker, "vllm_overlay_kv_budget", None),
+    }
 
 
 def main(config: dict) -> dict:
@@ -35,23 +39,35 @@ def main(config: dict) -> dict:
 
     kwargs = {}
     if config.get("pp", 1) > 1:
-        kwargs.update(pipeline_parallel_size=config["pp"],
-                      distributed_executor_backend="mp")
+        kwargs.update(
+            pipeline_parallel_size=config["pp"], distributed_executor_backend="mp"
+        )
     if config.get("kv_bytes"):
         kwargs["kv_cache_memory_bytes"] = config["kv_bytes"]
     if "flag" in config:
-        kwargs["additional_config"] = {"enable_pp_prop_kv_cache":
-                                       config["flag"]}
+        kwargs["additional_config"] = {"enable_pp_prop_kv_cache": config["flag"]}
     if "flag_field" in config:  # the patches/pp-kv-budget engine argument
         kwargs["enable_pp_prop_kv_cache"] = config["flag_field"]
-    llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=512,
-              enforce_eager=True, seed=0, **kwargs)
-    prompts = ["The cache of the model", "One two three four five six seven",
-               "key value block " * 40]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
-                        use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "workers": llm.collective_rpc(worker_kv)}
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        **kwargs,
+    )
+    prompts = [
+        "The cache of the model",
+        "One two three four five six seven",
+        "key value block " * 40,
+    ]
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+    )
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "workers": llm.collective_rpc(worker_kv),
+    }
 
 
 if __name__ == "__main__":

@@ -24,8 +24,26 @@ import time
 
 from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
-WORDS = ("key value block cache layer token prefix north south river stone "
-         "memory page copy seven eight ocean light").split()
+WORDS = [
+    "key",
+    "value",
+    "block",
+    "cache",
+    "layer",
+    "token",
+    "prefix",
+    "north",
+    "south",
+    "river",
+    "stone",
+    "memory",
+    "page",
+    "copy",
+    "seven",
+    "eight",
+    "ocean",
+    "light",
+]
 
 
 def prompt(i: int) -> str:
@@ -33,8 +51,10 @@ def prompt(i: int) -> str:
 
 
 def connector_totals(worker) -> dict:
-    from vllm.distributed.kv_transfer import (get_kv_transfer_group,
-                                              has_kv_transfer_group)
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
 
     if not has_kv_transfer_group():
         return {}
@@ -59,25 +79,42 @@ def step_all(llm, prompts, params, stall_s: float) -> dict:
             if out.finished:
                 outputs[out.request_id] = out
         steps += 1
-        sig = (len(outputs), sum(r.num_computed_tokens + r.num_output_tokens
-                                 for r in scheduler.requests.values()))
+        sig = (
+            len(outputs),
+            sum(
+                r.num_computed_tokens + r.num_output_tokens
+                for r in scheduler.requests.values()
+            ),
+        )
         if sig != last_sig:
             last_sig, last_change = sig, time.monotonic()
         elif time.monotonic() - last_change > stall_s:
-            return {"stalled": True, "steps": steps, "state": {
-                "running": len(scheduler.running),
-                "waiting": [str(r.status) for r in scheduler.waiting],
-                "free_blocks":
-                    scheduler.kv_cache_manager.block_pool.get_num_free_blocks()}}
-    return {"stalled": False, "steps": steps,
-            "outputs": [summary(outputs[f"p{i}"]) for i in range(len(prompts))]}
+            return {
+                "stalled": True,
+                "steps": steps,
+                "state": {
+                    "running": len(scheduler.running),
+                    "waiting": [str(r.status) for r in scheduler.waiting],
+                    "free_blocks": (
+                        scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+                    ),
+                },
+            }
+    return {
+        "stalled": False,
+        "steps": steps,
+        "outputs": [summary(outputs[f"p{i}"]) for i in range(len(prompts))],
+    }
 
 
 def summary(out) -> dict:
     completion = out.outputs[0]
-    return {"tokens": list(completion.token_ids),
-            "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs,
-                                                        completion.token_ids)]}
+    return {
+        "tokens": list(completion.token_ids),
+        "logprobs": [
+            lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)
+        ],
+    }
 
 
 def main(config: dict) -> dict:
@@ -89,21 +126,29 @@ def main(config: dict) -> dict:
     kv_transfer_config = None
     if config.get("connector") == "offload":
         kv_transfer_config = KVTransferConfig(
-            kv_connector="OverlayOffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={"num_cpu_blocks": 64})
+            kv_connector="OverlayOffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"num_cpu_blocks": 64},
+        )
     elif config.get("connector") == "pool":
         kv_transfer_config = KVTransferConfig(
-            kv_connector="SharedKVPoolConnector", kv_role="kv_both",
-            kv_connector_extra_config={"url": config["url"],
-                                       "namespace": "pressure"})
-    llm = LLM(model=tiny_model_path(), dtype="float32", max_model_len=512,
-              num_gpu_blocks_override=config.get("gpu_blocks", 10),
-              enforce_eager=True, seed=0, disable_log_stats=True,
-              kv_transfer_config=kv_transfer_config)
+            kv_connector="SharedKVPoolConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"url": config["url"], "namespace": "pressure"},
+        )
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=512,
+        num_gpu_blocks_override=config.get("gpu_blocks", 10),
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=True,
+        kv_transfer_config=kv_transfer_config,
+    )
     # 320 prompt tokens and 80 generated: the decode crosses into a 4th
     # block, so running requests preempt each other as well.
-    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True,
-                            logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, logprobs=1)
     prompts = [prompt(i) for i in range(config.get("prompts", 8))]
     stall_s = config.get("stall_s", 20.0)
     passes = [step_all(llm, prompts, params, stall_s)]
@@ -121,7 +166,9 @@ def main(config: dict) -> dict:
         **manager.__dict__.get("vllm_overlay_admission", {}),
         "reordered": getattr(core.scheduler, "vllm_overlay_reordered", 0),
         "resumed_after_load": getattr(
-            core.scheduler, "vllm_overlay_resumed_after_load", 0)}
+            core.scheduler, "vllm_overlay_resumed_after_load", 0
+        ),
+    }
     return result
 
 

@@ -31,23 +31,26 @@ def assert_cross_layer_active(run, num_layers: int = 4) -> None:
     assert kv["storages"] == 1 and kv["same_storage_as_buffer"]
     assert kv["buffer_contiguous"]
     layout = kv["layout"]
-    assert layout["dims"] == ["blocks", "layers", "kv", "heads", "tokens",
-                              "head_size"]
+    assert layout["dims"] == ["blocks", "layers", "kv", "heads", "tokens", "head_size"]
     blocks, layers, _, heads, tokens, head_size = layout["shape"]
     assert layers == num_layers
     # Per-layer logical view (2, blocks, heads, tokens, head_size) with the
     # strides of [blocks, layers, 2, heads, tokens, head_size]:
     per_token = head_size
-    expected = [heads * tokens * head_size,  # kv
-                num_layers * 2 * heads * tokens * head_size,  # blocks
-                tokens * head_size, per_token, 1]
+    expected = [
+        heads * tokens * head_size,  # kv
+        num_layers * 2 * heads * tokens * head_size,  # blocks
+        tokens * head_size,
+        per_token,
+        1,
+    ]
     for name in layout["layer_names"]:
         assert kv["layer_strides"][name] == expected
         assert kv["layer_shapes"][name] == [2, blocks, heads, tokens, head_size]
     assert kv["blocks_contiguous_all_layers"]
     assert kv["used_blocks"] > 3  # prompts span several blocks
     assert kv["layout_matches_written_bytes"]
-    assert any("cross-layer blocks" in l for l in run.layout_log_lines())
+    assert any("cross-layer blocks" in ln for ln in run.layout_log_lines())
 
 
 def assert_stock_layout(run, reason: str) -> None:
@@ -55,8 +58,8 @@ def assert_stock_layout(run, reason: str) -> None:
     assert not kv["cross_layer"]
     assert kv["storages"] == kv["num_layers"] == 4  # one tensor per layer
     lines = run.layout_log_lines()
-    assert lines and all("stock per-layer tensors" in l for l in lines), lines
-    assert any(reason in l for l in lines), lines
+    assert lines and all("stock per-layer tensors" in ln for ln in lines), lines
+    assert any(reason in ln for ln in lines), lines
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -122,8 +125,7 @@ def test_no_connector_keeps_stock_layout(llm_run):
 
 def test_connector_that_does_not_opt_in_gets_register_kv_caches(llm_run):
     stock = llm_run({"dtype": "float32", "chunked": True}, **STOCK)
-    run = llm_run({"dtype": "float32", "chunked": True,
-                   "connector": "probe-no-prefer"})
+    run = llm_run({"dtype": "float32", "chunked": True, "connector": "probe-no-prefer"})
     assert_stock_layout(run, "does not prefer cross-layer blocks")
     assert run.kv["connector_registered"] == "per-layer"
     assert_same_outputs(run, stock)
@@ -132,9 +134,10 @@ def test_connector_that_does_not_opt_in_gets_register_kv_caches(llm_run):
 def test_backend_without_layers_dimension_falls_back(llm_run):
     """CL-06 skipped: CPU_ATTN then has no stride order (as in stock)."""
     stock = llm_run({"dtype": "float32", "chunked": True}, **STOCK)
-    run = llm_run({"dtype": "float32", "chunked": True, "connector": "probe"},
-                  VLLM_OVERLAY_SKIP_PATCHES="CL-06")
-    assert_stock_layout(run, "CPU_ATTN has no stride order with a layers "
-                        "dimension")
+    run = llm_run(
+        {"dtype": "float32", "chunked": True, "connector": "probe"},
+        VLLM_OVERLAY_SKIP_PATCHES="CL-06",
+    )
+    assert_stock_layout(run, "CPU_ATTN has no stride order with a layers dimension")
     assert run.kv["connector_registered"] == "per-layer"
     assert_same_outputs(run, stock)

@@ -19,12 +19,19 @@ HAS_REDIS = shutil.which("redis-server") is not None
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "demo.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_overlay", "demo", "--json", str(out)], env=env, capture_output=True, text=True,
-        timeout=420)
+        [sys.executable, "-m", "vllm_overlay", "demo", "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-6000:]
     summary = json.loads(out.read_text())
@@ -34,8 +41,9 @@ def demo(tmp_path_factory):
 def test_table_is_printed(demo):
     text, summary, rows = demo
     assert "| path" in text and "| host reload " in text
-    assert "KV cache layout (offload engine): KV cache layout: cross-layer " \
-        "blocks" in text
+    assert (
+        "KV cache layout (offload engine): KV cache layout: cross-layer blocks" in text
+    )
     assert "TTFT:" in text and "* Recompute can beat a reload" in text
     assert not summary["errors"]
 

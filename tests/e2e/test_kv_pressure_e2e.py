@@ -15,9 +15,8 @@ import sys
 import pytest
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
-from support.redis_server import redis_server  # noqa: E402
-
 from conftest import _memoized  # noqa: E402
+from support.redis_server import redis_server  # noqa: E402
 from tolerances import STOCK_FLOAT32_DRIFT, max_abs_diff  # noqa: E402
 
 
@@ -36,8 +35,10 @@ def assert_same_outputs(got, want):
     schedule; a suffix computed over loaded KV differs from the same suffix
     computed in one piece by no more than stock's hit-vs-recompute drift."""
     assert [o["tokens"] for o in got] == [o["tokens"] for o in want]
-    assert max_abs_diff([o["logprobs"] for o in got],
-                        [o["logprobs"] for o in want]) <= STOCK_FLOAT32_DRIFT
+    assert (
+        max_abs_diff([o["logprobs"] for o in got], [o["logprobs"] for o in want])
+        <= STOCK_FLOAT32_DRIFT
+    )
 
 
 def test_offload_many_loads_small_cache(pressure):
@@ -46,8 +47,9 @@ def test_offload_many_loads_small_cache(pressure):
     assert not any(p["stalled"] for p in run.passes)
     # Pass 1 equals stock vLLM; pass 2 reloads from host memory and equals
     # pass 1.
-    assert [o["tokens"] for o in outputs(run, 0)] == \
-        [o["tokens"] for o in outputs(stock, 0)]
+    assert [o["tokens"] for o in outputs(run, 0)] == [
+        o["tokens"] for o in outputs(stock, 0)
+    ]
     assert_same_outputs(outputs(run, 1), outputs(run, 0))
     assert run.result["after_first"]["load"]["blocks"] == 0
     assert run.result["totals"]["load"]["blocks"] >= 16  # 2 per prompt
@@ -67,8 +69,10 @@ def test_pool_many_loads_small_cache(pressure):
 
 
 def test_without_admission_patches_the_engine_stalls(pressure):
-    run = pressure({"connector": "offload", "stall_s": 5},
-                   VLLM_OVERLAY_SKIP_PATCHES="KV-01,KV-02,KV-03")
+    run = pressure(
+        {"connector": "offload", "stall_s": 5},
+        VLLM_OVERLAY_SKIP_PATCHES="KV-01,KV-02,KV-03",
+    )
     assert not run.passes[0]["stalled"]
     stalled = run.passes[1]
     assert stalled["stalled"]
@@ -78,8 +82,8 @@ def test_without_admission_patches_the_engine_stalls(pressure):
 
 def test_without_resume_patch_outputs_change(pressure):
     good = pressure({"connector": "offload"})
-    bad = pressure({"connector": "offload"},
-                   VLLM_OVERLAY_SKIP_PATCHES="KV-04")
+    bad = pressure({"connector": "offload"}, VLLM_OVERLAY_SKIP_PATCHES="KV-04")
     assert bad.result["overlay"]["resumed_after_load"] == 0
-    assert [o["tokens"] for o in outputs(bad, 1)] != \
-        [o["tokens"] for o in outputs(good, 1)]
+    assert [o["tokens"] for o in outputs(bad, 1)] != [
+        o["tokens"] for o in outputs(good, 1)
+    ]

@@ -26,12 +26,15 @@ def assert_same_outputs(run, reference) -> None:
     """Pass 1 (cold) and pass 2 (served from cache) equal the reference's,
     bit for bit, with the same prefix-hit length per prompt."""
     for p in range(2):
-        assert [x["cached_tokens"] for x in run.passes[p]] == \
-            [x["cached_tokens"] for x in reference.passes[p]]
-        assert [x["tokens"] for x in run.passes[p]] == \
-            [x["tokens"] for x in reference.passes[p]]
-        assert [x["logprobs"] for x in run.passes[p]] == \
-            [x["logprobs"] for x in reference.passes[p]]
+        assert [x["cached_tokens"] for x in run.passes[p]] == [
+            x["cached_tokens"] for x in reference.passes[p]
+        ]
+        assert [x["tokens"] for x in run.passes[p]] == [
+            x["tokens"] for x in reference.passes[p]
+        ]
+        assert [x["logprobs"] for x in run.passes[p]] == [
+            x["logprobs"] for x in reference.passes[p]
+        ]
 
 
 def test_reload_from_host_equals_stock_device_hit(offload_run):
@@ -56,8 +59,9 @@ def test_seeded_sampling_after_reload_equals_stock_device_hit(offload_run):
     run = offload_run({"connector": "offload", "seeded": True})
     assert run.result["totals"]["load"]["blocks"] >= 6
     greedy = offload_run({"keep_device_cache": True}, **STOCK)
-    assert [x["tokens"] for x in stock.passes[1]] != \
-        [x["tokens"] for x in greedy.passes[1]]  # really sampled
+    assert [x["tokens"] for x in stock.passes[1]] != [
+        x["tokens"] for x in greedy.passes[1]
+    ]  # really sampled
     assert_same_outputs(run, stock)
 
 
@@ -66,18 +70,19 @@ def test_corrupted_host_blocks_change_the_output(offload_run):
     stock = offload_run({"keep_device_cache": True}, **STOCK)
     run = offload_run({"connector": "offload", "corrupt": True})
     assert run.result["totals"]["load"]["blocks"] >= 6
-    assert [x["tokens"] for x in run.passes[0]] == \
-        [x["tokens"] for x in stock.passes[0]]
-    assert [x["logprobs"] for x in run.passes[1]] != \
-        [x["logprobs"] for x in stock.passes[1]]
+    assert [x["tokens"] for x in run.passes[0]] == [
+        x["tokens"] for x in stock.passes[0]
+    ]
+    assert [x["logprobs"] for x in run.passes[1]] != [
+        x["logprobs"] for x in stock.passes[1]
+    ]
 
 
 def test_one_copy_per_block_cross_layer_vs_two_per_layer_stock(offload_run):
     stock = offload_run({"keep_device_cache": True}, **STOCK)
     cross = offload_run({"connector": "offload"})
     # CL-06 off: CPU_ATTN has no layers dimension, so per-layer caches.
-    per_layer = offload_run({"connector": "offload"},
-                            VLLM_OVERLAY_SKIP_PATCHES="CL-06")
+    per_layer = offload_run({"connector": "offload"}, VLLM_OVERLAY_SKIP_PATCHES="CL-06")
     assert not per_layer.result["cross_layer"]
     layers = 4
     assert per_layer.result["runs_per_block"] == 2 * layers
@@ -96,10 +101,8 @@ def test_unaligned_device_hit_loads_the_rest(offload_run):
     cache block, so the load starts in the middle of an offloaded block
     (stock 0.11.2 asserts here).  Reference: stock with the whole prefix
     (4 cache blocks) on the device, the same hit length."""
-    stock = offload_run({"unaligned": True, "keep_device_cache": True},
-                        **STOCK)
-    run = offload_run({"connector": "offload", "unaligned": True,
-                       "block_factor": 2})
+    stock = offload_run({"unaligned": True, "keep_device_cache": True}, **STOCK)
+    run = offload_run({"connector": "offload", "unaligned": True, "block_factor": 2})
     first_prompt = run.passes[1][0]
     assert first_prompt["prompt_tokens"] > 4 * BLOCK
     # 1 cache block from the device + 3 loaded from 2 offloaded blocks.
@@ -112,14 +115,13 @@ def test_transfer_stats_reach_vllm_metrics_log(offload_run):
     """Default (multiprocess) vLLM with stats logging: the connector's stats
     travel worker -> scheduler -> front end and are logged."""
     run = offload_run({"connector": "offload", "multiprocess": True})
-    lines = [l for l in run.log.splitlines() if "KV Transfer metrics:" in l]
-    stores = [l for l in lines if "store_blocks=" in l]
-    loads = [l for l in lines if "load_blocks=" in l]
+    lines = [ln for ln in run.log.splitlines() if "KV Transfer metrics:" in ln]
+    stores = [ln for ln in lines if "store_blocks=" in ln]
+    loads = [ln for ln in lines if "load_blocks=" in ln]
     assert stores and loads, lines
-    logged = sum(int(l.split("load_blocks=")[1].split(",")[0]) for l in loads)
+    logged = sum(int(ln.split("load_blocks=")[1].split(",")[0]) for ln in loads)
     # The front end logs at its interval; the last interval may end after
     # the run, so at least one load and never more than happened.
     assert 1 <= logged <= run.result["totals"]["load"]["blocks"]
     assert run.result["totals"]["load"]["blocks"] >= 6
-    assert all("load_copy_calls=" in l and "load_GB_per_s=" in l
-               for l in loads)
+    assert all("load_copy_calls=" in ln and "load_GB_per_s=" in ln for ln in loads)

@@ -19,16 +19,19 @@ def patched_tree(tmp_path_factory):
     tree = tmp_path_factory.mktemp("patched-vllm")
     shutil.copytree(site, tree / "vllm")
     for line in (ROOT / "patches" / "series").read_text().split():
-        subprocess.run(["git", "apply", "-p1", str(ROOT / "patches" / line)],
-                       cwd=tree, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "apply", "-p1", str(ROOT / "patches" / line)],
+            cwd=tree,
+            check=True,
+            capture_output=True,
+        )
     return tree
 
 
 def test_patched_vllm_equals_the_overlay(llm_run, patched_tree):
     config = {"dtype": "float32", "chunked": True, "connector": "probe"}
     overlay = llm_run(config)
-    patched = llm_run(config, VLLM_OVERLAY_DISABLE="1",
-                      PYTHONPATH=str(patched_tree))
+    patched = llm_run(config, VLLM_OVERLAY_DISABLE="1", PYTHONPATH=str(patched_tree))
     assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
     for run in (overlay, patched):
         assert run.kv["cross_layer"] and run.kv["storages"] == 1
@@ -50,20 +53,24 @@ def test_patched_vllm_offloads_under_pressure_like_the_overlay(patched_tree):
 
     run = _memoized("run_pressure.py")
     overlay = run({"connector": "offload"})
-    patched = run({"connector": "offload", "stall_s": 10},
-                  VLLM_OVERLAY_DISABLE="1", PYTHONPATH=str(patched_tree))
+    patched = run(
+        {"connector": "offload", "stall_s": 10},
+        VLLM_OVERLAY_DISABLE="1",
+        PYTHONPATH=str(patched_tree),
+    )
     assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
     assert patched.result["totals"]["connector_module"] == (
-        "vllm.distributed.kv_transfer.kv_connector.v1."
-        "overlay_offloading_connector")
+        "vllm.distributed.kv_transfer.kv_connector.v1.overlay_offloading_connector"
+    )
     assert not any(p["stalled"] for p in patched.passes)
     assert patched.result["overlay"].get("deferred") is None  # not KV-01
     assert patched.result["totals"]["load"]["blocks"] >= 16
     loads = patched.result["totals"]["load"]
     assert loads["copy_calls"] <= loads["blocks"]  # cross-layer: 1 per block
     for p in range(2):
-        assert [o["tokens"] for o in patched.passes[p]["outputs"]] == \
-            [o["tokens"] for o in overlay.passes[p]["outputs"]]
+        assert [o["tokens"] for o in patched.passes[p]["outputs"]] == [
+            o["tokens"] for o in overlay.passes[p]["outputs"]
+        ]
 
 
 def test_patched_vllm_shares_a_pool_like_the_overlay(patched_tree):
@@ -76,38 +83,49 @@ def test_patched_vllm_shares_a_pool_like_the_overlay(patched_tree):
     run = _memoized("run_pressure.py")
     overlay = run({"connector": None}, VLLM_OVERLAY_DISABLE="1")
     with redis_server() as server:
-        patched = run({"connector": "pool", "url": server.url,
-                       "stall_s": 10},
-                      VLLM_OVERLAY_DISABLE="1", PYTHONPATH=str(patched_tree))
+        patched = run(
+            {"connector": "pool", "url": server.url, "stall_s": 10},
+            VLLM_OVERLAY_DISABLE="1",
+            PYTHONPATH=str(patched_tree),
+        )
     assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
     assert not any(p["stalled"] for p in patched.passes)
     assert patched.result["totals"]["loaded_blocks"] >= 16
     assert patched.result["totals"]["connector_module"] == (
-        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector")
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector"
+    )
     for p in range(2):
-        assert [o["tokens"] for o in patched.passes[p]["outputs"]] == \
-            [o["tokens"] for o in overlay.passes[0]["outputs"]]
+        assert [o["tokens"] for o in patched.passes[p]["outputs"]] == [
+            o["tokens"] for o in overlay.passes[0]["outputs"]
+        ]
 
 
-def test_patched_vllm_splits_the_pp_budget_like_the_overlay(patched_tree,
-                                                            pp_run):
+def test_patched_vllm_splits_the_pp_budget_like_the_overlay(patched_tree, pp_run):
     """patches/pp-kv-budget: the engine argument enable_pp_prop_kv_cache on
     the patched tree, overlay disabled, gives the overlay's split."""
     partition = {"VLLM_PP_LAYER_PARTITION": "3,1"}
-    overlay = pp_run({"pp": 2, "flag": True, "kv_bytes": 16 << 20},
-                     **partition)
-    patched = pp_run({"pp": 2, "flag_field": True, "kv_bytes": 16 << 20},
-                     VLLM_OVERLAY_DISABLE="1", PYTHONPATH=str(patched_tree),
-                     **partition)
+    overlay = pp_run({"pp": 2, "flag": True, "kv_bytes": 16 << 20}, **partition)
+    patched = pp_run(
+        {"pp": 2, "flag_field": True, "kv_bytes": 16 << 20},
+        VLLM_OVERLAY_DISABLE="1",
+        PYTHONPATH=str(patched_tree),
+        **partition,
+    )
     assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
 
     def ranks(run):
         return sorted(run.result["workers"], key=lambda w: w["pp_rank"])
 
-    assert [w["blocks"] for w in ranks(patched)] == \
-        [w["blocks"] for w in ranks(overlay)] == [64, 64]
-    assert [w["kv_bytes"] for w in ranks(patched)] == \
-        [w["kv_bytes"] for w in ranks(overlay)]
+    assert (
+        [w["blocks"] for w in ranks(patched)]
+        == [w["blocks"] for w in ranks(overlay)]
+        == [64, 64]
+    )
+    assert [w["kv_bytes"] for w in ranks(patched)] == [
+        w["kv_bytes"] for w in ranks(overlay)
+    ]
     assert patched.result["tokens"] == overlay.result["tokens"]
-    assert any("PP rank 1: 1 layers" in line and "64 blocks" in line
-               for line in patched.log.splitlines())
+    assert any(
+        "PP rank 1: 1 layers" in line and "64 blocks" in line
+        for line in patched.log.splitlines()
+    )

@@ -24,9 +24,9 @@ def test_budget_split_by_layers_gives_equal_blocks(pp_run):
     assert [w["blocks"] for w in ranks] == [64, 64]
     assert [w["kv_bytes"] for w in ranks] == [64 * 3 * PAGE, 64 * 1 * PAGE]
     assert run.result["tokens"] == reference.result["tokens"]
-    lines = [l for l in run.log.splitlines() if "vllm-overlay: PP rank" in l]
-    assert any("PP rank 0: 3 layers" in l and "64 blocks" in l for l in lines)
-    assert any("PP rank 1: 1 layers" in l and "64 blocks" in l for l in lines)
+    lines = [ln for ln in run.log.splitlines() if "vllm-overlay: PP rank" in ln]
+    assert any("PP rank 0: 3 layers" in ln and "64 blocks" in ln for ln in lines)
+    assert any("PP rank 1: 1 layers" in ln and "64 blocks" in ln for ln in lines)
 
 
 def test_without_the_flag_the_same_blocks_need_more_memory(pp_run):
@@ -43,8 +43,7 @@ def test_without_the_flag_the_same_blocks_need_more_memory(pp_run):
     # nothing: both ranks still get only what the 3-layer rank fits.
     same = pp_run({"pp": 2, "kv_bytes": 16 * MiB}, **PARTITION)
     assert [w["blocks"] for w in by_rank(same)] == [85, 85]
-    assert stock.result["tokens"] == flag.result["tokens"] == \
-        same.result["tokens"]
+    assert stock.result["tokens"] == flag.result["tokens"] == same.result["tokens"]
 
 
 def test_cpu_worker_respects_kv_cache_memory_bytes(pp_run):

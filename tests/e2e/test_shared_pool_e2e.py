@@ -33,16 +33,22 @@ def llm_run_stock_pool():
 
     """Per prompt set: passes[0] cold (recomputed), passes[1] (shared only)
     the same prompts served from stock's device prefix cache."""
-    return {kind: LLMRun({"url": None, "prompts": kind,
-                          "repeat": kind == "shared"}, STOCK, "run_pool.py")
-            for kind in ("shared", "other")}
+    return {
+        kind: LLMRun(
+            {"url": None, "prompts": kind, "repeat": kind == "shared"},
+            STOCK,
+            "run_pool.py",
+        )
+        for kind in ("shared", "other")
+    }
 
 
 def assert_equals_stock_hit(run, stock_run) -> None:
     """A node that loaded its prefix from the pool equals stock serving the
     same prefix from its device cache: hit lengths, tokens, logprobs."""
-    assert [x["cached_tokens"] for x in run.passes[0]] == \
-        [x["cached_tokens"] for x in stock_run.passes[1]]
+    assert [x["cached_tokens"] for x in run.passes[0]] == [
+        x["cached_tokens"] for x in stock_run.passes[1]
+    ]
     assert tokens(run) == tokens(stock_run, 1)
     assert logprobs(run) == logprobs(stock_run, 1)
 
@@ -65,10 +71,8 @@ def test_second_node_loads_what_the_first_computed(pool_node, stock):
     assert second.result["scheduler"]["hits"] == 5
     assert second.result["worker"]["loaded_blocks"] == 5
     assert second.result["worker"]["load_failures"] == 0
-    assert second.result["worker"]["bytes_in"] == \
-        first.result["worker"]["bytes_out"]
-    assert [x["cached_tokens"] for x in second.passes[0]] == [3 * BLOCK,
-                                                              2 * BLOCK]
+    assert second.result["worker"]["bytes_in"] == first.result["worker"]["bytes_out"]
+    assert [x["cached_tokens"] for x in second.passes[0]] == [3 * BLOCK, 2 * BLOCK]
     # The first node computed everything: stock's cold pass.
     assert tokens(first) == tokens(stock["shared"])
     assert logprobs(first) == logprobs(stock["shared"])
@@ -97,9 +101,13 @@ def test_corrupted_value_is_a_miss_and_recomputed(pool_node, stock):
 def test_value_from_another_namespace_is_refused(pool_node, stock):
     with redis_server() as server:
         a = pool_node({"url": server.url, "namespace": "team-a"})
-        b = pool_node({"url": server.url, "namespace": "team-b",
-                       "copy_from_namespace_of":
-                       f"vkv:{a.result['namespace']}:"})
+        b = pool_node(
+            {
+                "url": server.url,
+                "namespace": "team-b",
+                "copy_from_namespace_of": f"vkv:{a.result['namespace']}:",
+            }
+        )
     assert a.result["namespace"] != b.result["namespace"]
     assert b.result["scheduler"]["hits"] == 5  # the copied keys exist...
     assert b.result["worker"]["load_failures"] == 5  # ...but are refused
@@ -110,8 +118,9 @@ def test_value_from_another_namespace_is_refused(pool_node, stock):
 
 
 def test_pool_full_requests_still_complete(pool_node, stock):
-    with redis_server("--maxmemory", "600kb", "--maxmemory-policy",
-                      "noeviction") as server:
+    with redis_server(
+        "--maxmemory", "600kb", "--maxmemory-policy", "noeviction"
+    ) as server:
         run = pool_node({"url": server.url})
         stored = int(server.cli("dbsize"))
     worker = run.result["worker"]
@@ -123,8 +132,13 @@ def test_pool_full_requests_still_complete(pool_node, stock):
 
 def test_server_killed_mid_run_then_back(pool_node, stock):
     with redis_server() as server:
-        run = pool_node({"url": server.url, "kill_pid": server.proc.pid,
-                         "restart": [server.port, server.dir]})
+        run = pool_node(
+            {
+                "url": server.url,
+                "kill_pid": server.proc.pid,
+                "restart": [server.port, server.dir],
+            }
+        )
         after = int(server.cli("dbsize"))
         server.cli("shutdown", "nosave")
     first, down, back = run.passes

@@ -25,5 +25,6 @@ STOCK_FLOAT32_DRIFT = 1e-5
 def max_abs_diff(got: list[list[float]], want: list[list[float]]) -> float:
     """Largest |got - want| over same-shaped lists of per-token logprobs."""
     assert [len(g) for g in got] == [len(w) for w in want]
-    return max((abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)),
-               default=0.0)
+    return max(
+        (abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)), default=0.0
+    )

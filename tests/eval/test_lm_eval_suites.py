@@ -15,8 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "eval"))
 sys.path.insert(0, str(ROOT / "tests"))
-from check_suite import (DEFAULT_CONFIG, check, expected_problems,  # noqa: E402
-                         run_path)
+from check_suite import DEFAULT_CONFIG, check, expected_problems, run_path  # noqa: E402
 from run_eval import load_config  # noqa: E402
 from support.redis_server import redis_server  # noqa: E402
 
@@ -57,8 +56,7 @@ def test_offload_reload_equals_stock(stock):
     assert result["samples"] == stock["samples"]
     # The scored pass really ran on KV loaded back from host memory.
     assert result["connector_totals"]["load"]["blocks"] > 0
-    assert expected_problems(CONFIG, {"metrics":
-                                      result["first_pass_metrics"]}) == []
+    assert expected_problems(CONFIG, {"metrics": result["first_pass_metrics"]}) == []
 
 
 def test_pool_reload_equals_stock(stock):

@@ -50,26 +50,52 @@ def serve_flags(config: dict) -> list[str]:
 
 def serve_command(port: int) -> list[str]:
     vllm = BIN / "vllm"
-    cli = [str(vllm)] if vllm.exists() else [
-        sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    return cli + ["serve", str(MODEL), "--served-model-name", SERVED_NAME,
-                  "--host", "127.0.0.1", "--port", str(port),
-                  *serve_flags(CONFIG)]
+    cli = (
+        [str(vllm)]
+        if vllm.exists()
+        else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    )
+    return cli + [
+        "serve",
+        str(MODEL),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *serve_flags(CONFIG),
+    ]
 
 
 def lm_eval_command(port: int, output: pathlib.Path) -> list[str]:
     lm_eval = BIN / "lm_eval"
-    cli = [str(lm_eval)] if lm_eval.exists() else [
-        sys.executable, "-m", "lm_eval"]
-    model_args = ",".join([
-        f"model={SERVED_NAME}",
-        f"base_url=http://127.0.0.1:{port}/v1/completions",
-        f"tokenizer={MODEL}", "tokenizer_backend=huggingface",
-        "tokenized_requests=True", "max_retries=1"])
+    cli = [str(lm_eval)] if lm_eval.exists() else [sys.executable, "-m", "lm_eval"]
+    model_args = ",".join(
+        [
+            f"model={SERVED_NAME}",
+            f"base_url=http://127.0.0.1:{port}/v1/completions",
+            f"tokenizer={MODEL}",
+            "tokenizer_backend=huggingface",
+            "tokenized_requests=True",
+            "max_retries=1",
+        ]
+    )
     tasks = ",".join(task["name"] for task in CONFIG["tasks"])
-    return cli + ["--model", "local-completions", "--model_args", model_args,
-                  "--tasks", tasks, "--include_path", str(TASKS),
-                  "--batch_size", "16", "--output_path", str(output)]
+    return cli + [
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+        "--tasks",
+        tasks,
+        "--include_path",
+        str(TASKS),
+        "--batch_size",
+        "16",
+        "--output_path",
+        str(output),
+    ]
 
 
 def free_port() -> int:
@@ -98,25 +124,33 @@ def served_model(log: pathlib.Path, startup_s: float = 240.0):
     """``vllm serve`` on a free loopback port until /health answers."""
     port = free_port()
     with open(log, "w") as out:
-        proc = subprocess.Popen(serve_command(port), env=harness_env(),
-                                stdout=out, stderr=subprocess.STDOUT,
-                                cwd=log.parent, start_new_session=True)
+        proc = subprocess.Popen(
+            serve_command(port),
+            env=harness_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=log.parent,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + startup_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}):"
-                                   f"\n{tail(log)}")
+                raise RuntimeError(
+                    f"vllm serve exited ({proc.returncode}):\n{tail(log)}"
+                )
             try:
                 with urllib.request.urlopen(
-                        f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    f"http://127.0.0.1:{port}/health", timeout=2
+                ) as r:
                     if r.status == 200:
                         break
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not healthy after "
-                                   f"{startup_s:.0f} s:\n{tail(log)}")
+                raise TimeoutError(
+                    f"vllm serve not healthy after {startup_s:.0f} s:\n{tail(log)}"
+                )
             time.sleep(1.0)
         yield port
     finally:
@@ -149,16 +183,22 @@ def test_served_model_reaches_the_suite_values(tmp_path):
     log = tmp_path / "serve.log"
     output = tmp_path / "lm_eval_out"
     with served_model(log) as port:
-        proc = subprocess.run(lm_eval_command(port, output), cwd=workdir,
-                              env=harness_env(), capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            lm_eval_command(port, output),
+            cwd=workdir,
+            env=harness_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     server_log = log.read_text(errors="replace")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "vllm-overlay 0.1.0 applied to vLLM 0.11.2" in server_log
     results = results_file(output)["results"]
-    metrics = {task: {k: v for k, v in values.items()
-                      if isinstance(v, (int, float))}
-               for task, values in results.items()}
+    metrics = {
+        task: {k: v for k, v in values.items() if isinstance(v, (int, float))}
+        for task, values in results.items()
+    }
     assert expected_problems(CONFIG, {"metrics": metrics}) == []
     assert metrics["copy_mc"]["acc,none"] == 1.0
     assert metrics["copy_gen"]["exact_match,none"] == 1.0

@@ -16,12 +16,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_benchmark_prints_a_table_after_checking_bytes():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_block_transfer.py"),
-         "--cpu", "--blocks", "1", "3", "--repeats", "1", "--shapes",
-         "llama3.1-70b-tp8", "--no-stock-port"], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_block_transfer.py"),
+            "--cpu",
+            "--blocks",
+            "1",
+            "3",
+            "--repeats",
+            "1",
+            "--shapes",
+            "llama3.1-70b-tp8",
+            "--no-stock-port",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [l for l in proc.stdout.splitlines()
-            if l.startswith("| llama3.1-70b-tp8")]
+    rows = [
+        ln for ln in proc.stdout.splitlines() if ln.startswith("| llama3.1-70b-tp8")
+    ]
     assert "stock column skipped (--no-stock-port)" in proc.stdout
     assert "| py-loop | cross-dma | contig |" in proc.stdout
     assert len(rows) == 4  # 2 block counts x 2 directions

@@ -22,21 +22,35 @@ import pytest
 
 ARCHS = (80, 90, 100)
 POINTERS = {  # kernel arg -> pointee type
-    "cache_ptr": "i32", "packed_ptr": "i32", "block_ids_ptr": "i64",
-    "packed_ids_ptr": "i64", "seg_src_ptr": "i64", "seg_stride_ptr": "i64",
-    "seg_dst_ptr": "i64", "seg_len_ptr": "i64"}
+    "cache_ptr": "i32",
+    "packed_ptr": "i32",
+    "block_ids_ptr": "i64",
+    "packed_ids_ptr": "i64",
+    "seg_src_ptr": "i64",
+    "seg_stride_ptr": "i64",
+    "seg_dst_ptr": "i64",
+    "seg_len_ptr": "i64",
+}
 # variant name -> constexprs (VEC=4 with int32 words: 16-byte accesses)
 VARIANTS = {
-    f"{name}-{'gather' if to_packed else 'scatter'}":
-        {"TO_PACKED": to_packed, "CHUNK": 1024, "VEC": vec}
+    f"{name}-{'gather' if to_packed else 'scatter'}": {
+        "TO_PACKED": to_packed,
+        "CHUNK": 1024,
+        "VEC": vec,
+    }
     for name, vec in (("aligned", 4), ("fallback", 1))
-    for to_packed in (True, False)}
+    for to_packed in (True, False)
+}
 KERNELS = {"copy_blocks_kernel"}
 
-WIDE_LD = re.compile(r"\bld\.global(?:\.[\w:]+)*\.(?:v4\.b32|v2\.b64|v8\.b32|"
-                     r"v4\.b64)\b")
-WIDE_ST = re.compile(r"\bst\.global(?:\.[\w:]+)*\.(?:v4\.b32|v2\.b64|v8\.b32|"
-                     r"v4\.b64)\b")
+WIDE_LD = re.compile(
+    r"\bld\.global(?:\.[\w:]+)*\.(?:v4\.b32|v2\.b64|v8\.b32|"
+    r"v4\.b64)\b"
+)
+WIDE_ST = re.compile(
+    r"\bst\.global(?:\.[\w:]+)*\.(?:v4\.b32|v2\.b64|v8\.b32|"
+    r"v4\.b64)\b"
+)
 SCALAR_32 = re.compile(r"\b(?:ld|st)\.global(?:\.(?!v\d)[\w:]+)*\.b32\b")
 
 
@@ -49,8 +63,11 @@ def _compile_all() -> dict:
 
     from vllm_overlay.core.ops import triton_kernels
 
-    found = sorted(name for name, obj in vars(triton_kernels).items()
-                   if isinstance(obj, triton.runtime.jit.JITFunction))
+    found = sorted(
+        name
+        for name, obj in vars(triton_kernels).items()
+        if isinstance(obj, triton.runtime.jit.JITFunction)
+    )
     fn = triton_kernels.copy_blocks_kernel
     out = {"kernels": found, "ptx": {}}
     for arch in ARCHS:
@@ -63,10 +80,10 @@ def _compile_all() -> dict:
                     signature[arg] = "constexpr"
                 else:
                     signature[arg] = "i64"
-            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-                     for a in POINTERS}
-            src = ASTSource(fn=fn, signature=signature, constexprs=consts,
-                            attrs=attrs)
+            attrs = {
+                (fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in POINTERS
+            }
+            src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
             assert compiled.asm["cubin"], (arch, variant)
             out["ptx"].setdefault(str(arch), {})[variant] = compiled.asm["ptx"]
@@ -76,16 +93,23 @@ def _compile_all() -> dict:
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(
-        [root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        [root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     proc = subprocess.run(
-        [sys.executable, "-c",
-         "import json, sys; sys.path.insert(0, sys.argv[1]); "
-         "import test_kernels_aot as t; print(json.dumps(t._compile_all()))",
-         os.path.dirname(os.path.abspath(__file__))],
-        capture_output=True, text=True, env=env, timeout=600)
+        [
+            sys.executable,
+            "-c",
+            "import json, sys; sys.path.insert(0, sys.argv[1]); "
+            "import test_kernels_aot as t; print(json.dumps(t._compile_all()))",
+            os.path.dirname(os.path.abspath(__file__)),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -34,24 +34,34 @@ MARK = "patch_test"
 CONTROL = ""  # the child that skips nothing
 
 
-def marked_tests(root: pathlib.Path = ROOT / "tests"
-                 ) -> dict[str, list[tuple[pathlib.Path, int]]]:
+def marked_tests(
+    root: pathlib.Path = ROOT / "tests",
+) -> dict[str, list[tuple[pathlib.Path, int]]]:
     """{patch id: [(file, line)]} of every ``pytest.mark.patch_test(ID)``
     in the test sources, decorators and ``pytest.param(marks=...)``."""
     found: dict[str, list[tuple[pathlib.Path, int]]] = {}
     for path in sorted(root.rglob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not (isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == MARK
-                    and isinstance(node.func.value, ast.Attribute)
-                    and node.func.value.attr == "mark"):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == MARK
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "mark"
+            ):
                 continue
-            if not node.args or node.keywords or not all(
+            if (
+                not node.args
+                or node.keywords
+                or not all(
                     isinstance(a, ast.Constant) and isinstance(a.value, str)
-                    for a in node.args):
-                raise ValueError(f"{path}:{node.lineno}: {MARK} takes patch "
-                                 "ids as string literals only")
+                    for a in node.args
+                )
+            ):
+                raise ValueError(
+                    f"{path}:{node.lineno}: {MARK} takes patch "
+                    "ids as string literals only"
+                )
             for arg in node.args:
                 found.setdefault(arg.value, []).append((path, node.lineno))
     return found
@@ -74,8 +84,7 @@ class _Select:
         keep, drop = [], []
         for item in items:
             ids = item_patch_ids(item)
-            wanted = bool(ids) if self.patch_id == CONTROL else (
-                self.patch_id in ids)
+            wanted = bool(ids) if self.patch_id == CONTROL else (self.patch_id in ids)
             (keep if wanted else drop).append(item)
         items[:] = keep
         if drop:
@@ -83,8 +92,9 @@ class _Select:
         self.selected = [item.nodeid for item in keep]
 
     def pytest_runtest_logreport(self, report):
-        entry = self.outcomes.setdefault(report.nodeid, {"outcome": "passed",
-                                                         "text": ""})
+        entry = self.outcomes.setdefault(
+            report.nodeid, {"outcome": "passed", "text": ""}
+        )
         if report.failed:
             # A failing call is a test failure; failing setup or teardown
             # is an error (fixture, import), which proves nothing.
@@ -94,8 +104,9 @@ class _Select:
             entry["outcome"] = "skipped"
 
 
-def _child(patch_id: str, files: list[str], result: pathlib.Path,
-           log: pathlib.Path) -> None:
+def _child(
+    patch_id: str, files: list[str], result: pathlib.Path, log: pathlib.Path
+) -> None:
     """In the forked child: run pytest, write the outcome, never return."""
     code = 70
     try:
@@ -106,15 +117,23 @@ def _child(patch_id: str, files: list[str], result: pathlib.Path,
         import pytest
 
         select = _Select(patch_id)
-        rc = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir",
-                          str(ROOT), *files], plugins=[select])
+        rc = pytest.main(
+            ["-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *files],
+            plugins=[select],
+        )
         from vllm_overlay.core.patching import REGISTRY
 
         states = {s.patch.id: s.status for s in REGISTRY.states()}
-        result.write_text(json.dumps({
-            "rc": int(rc), "selected": select.selected,
-            "outcomes": select.outcomes,
-            "states": states}))
+        result.write_text(
+            json.dumps(
+                {
+                    "rc": int(rc),
+                    "selected": select.selected,
+                    "outcomes": select.outcomes,
+                    "states": states,
+                }
+            )
+        )
         code = 0
     finally:
         sys.stdout.flush()
@@ -127,19 +146,26 @@ def _preimport() -> None:
     import torch  # noqa: F401
     import vllm  # noqa: F401
 
-    from vllm_overlay.patches import all_patches
     from vllm_overlay.core.patching import REGISTRY, import_target
+    from vllm_overlay.patches import all_patches
 
     for module in sorted({p.module for p in all_patches()}):
         import_target(module)  # flashinfer cannot be imported: no matter
-    for module in ("vllm.config", "vllm.v1.core.sched.scheduler",
-                   "vllm.v1.core.kv_cache_utils", "vllm.v1.structured_output",
-                   "vllm.v1.worker.utils", "vllm.utils.argparse_utils",
-                   "vllm.distributed.kv_transfer.kv_connector.factory",
-                   "vllm.distributed.kv_transfer.kv_connector.v1."
-                   "shared_storage_connector",
-                   "vllm_overlay.connectors", "vllm_overlay.integration.cross_layer",
-                   "vllm_overlay.demo", "_pytest.pytester", "pytest"):
+    for module in (
+        "vllm.config",
+        "vllm.v1.core.sched.scheduler",
+        "vllm.v1.core.kv_cache_utils",
+        "vllm.v1.structured_output",
+        "vllm.v1.worker.utils",
+        "vllm.utils.argparse_utils",
+        "vllm.distributed.kv_transfer.kv_connector.factory",
+        "vllm.distributed.kv_transfer.kv_connector.v1.shared_storage_connector",
+        "vllm_overlay.connectors",
+        "vllm_overlay.integration.cross_layer",
+        "vllm_overlay.demo",
+        "_pytest.pytester",
+        "pytest",
+    ):
         import_target(module)
     # Nothing may be patched yet: each child registers the overlay itself.
     assert not REGISTRY.states()
@@ -148,9 +174,10 @@ def _preimport() -> None:
 def main(argv: list[str]) -> int:
     out, ids = pathlib.Path(argv[0]), argv[1:]
     marks = marked_tests()
-    files = {patch_id: sorted({str(path.relative_to(ROOT))
-                               for path, _ in places})
-             for patch_id, places in marks.items()}
+    files = {
+        patch_id: sorted({str(path.relative_to(ROOT)) for path, _ in places})
+        for patch_id, places in marks.items()
+    }
     files[CONTROL] = sorted({f for fs in files.values() for f in fs})
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
@@ -171,8 +198,13 @@ def main(argv: list[str]) -> int:
             name = patch_id or "control"
             result, log = tmp / f"{name}.json", tmp / f"{name}.log"
             if not files.get(patch_id):
-                report[name] = {"rc": None, "selected": [], "outcomes": {},
-                                "states": {}, "log": "no test is marked"}
+                report[name] = {
+                    "rc": None,
+                    "selected": [],
+                    "outcomes": {},
+                    "states": {},
+                    "log": "no test is marked",
+                }
                 continue
             pid = os.fork()
             if pid == 0:
@@ -184,17 +216,24 @@ def main(argv: list[str]) -> int:
         patch_id, started = running.pop(pid)
         name = patch_id or "control"
         result, log = tmp / f"{name}.json", tmp / f"{name}.log"
-        entry = (json.loads(result.read_text()) if result.exists()
-                 else {"rc": None})
+        entry = json.loads(result.read_text()) if result.exists() else {"rc": None}
         entry["exit_status"] = status
         entry["seconds"] = round(time.monotonic() - started, 1)
         entry["log"] = log.read_text()[-6000:] if log.exists() else ""
         report[name] = entry
     shutil.rmtree(tmp, ignore_errors=True)
-    out.write_text(json.dumps({"files": files, "ids": ids,
-                               "seconds": time.monotonic() - start,
-                               "preimport_seconds": preimport_seconds,
-                               "children": report}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "files": files,
+                "ids": ids,
+                "seconds": time.monotonic() - start,
+                "preimport_seconds": preimport_seconds,
+                "children": report,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -38,14 +38,29 @@ def free_port(cluster: bool = False) -> int:
 class RedisServer:
     def __init__(self, *extra: str, port: int | None = None) -> None:
         if shutil.which("redis-server") is None:
-            raise RuntimeError("redis-server not found (scripts/setup_env.sh "
-                               "installs it)")
+            raise RuntimeError(
+                "redis-server not found (scripts/setup_env.sh installs it)"
+            )
         self.port = port or free_port(cluster="--cluster-enabled" in extra)
         self.dir = tempfile.mkdtemp(prefix="vllm-overlay-redis-")
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self.dir, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.wait_ready()
 
     @property
@@ -53,9 +68,12 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def cli(self, *args: str) -> str:
-        return subprocess.run(["redis-cli", "-p", str(self.port), *args],
-                              capture_output=True, text=True, timeout=30
-                              ).stdout.strip()
+        return subprocess.run(
+            ["redis-cli", "-p", str(self.port), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -75,9 +93,22 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.wait_ready()
 
 
@@ -94,14 +125,32 @@ def redis_server(*extra: str):
 @contextlib.contextmanager
 def redis_cluster(nodes: int = 3):
     """A local Redis Cluster of ``nodes`` masters (no replicas)."""
-    servers = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file",
-                           "nodes.conf", "--cluster-node-timeout", "2000")
-               for _ in range(nodes)]
+    servers = [
+        RedisServer(
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "2000",
+        )
+        for _ in range(nodes)
+    ]
     try:
         out = subprocess.run(
-            ["redis-cli", "--cluster", "create",
-             *[f"127.0.0.1:{s.port}" for s in servers], "--cluster-replicas",
-             "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{s.port}" for s in servers],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if out.returncode != 0:
             raise RuntimeError(out.stdout + out.stderr)
         deadline = time.monotonic() + 20

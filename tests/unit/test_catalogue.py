@@ -16,7 +16,8 @@ from support import patch_tests  # noqa: E402
 
 def test_patches_md_is_generated_from_the_code():
     assert (ROOT / "PATCHES.md").read_text() == render_markdown(), (
-        "regenerate: python -m vllm_overlay catalogue > PATCHES.md")
+        "regenerate: python -m vllm_overlay catalogue > PATCHES.md"
+    )
 
 
 def test_ids_unique_and_one_file_per_upstream_module():
@@ -37,24 +38,32 @@ def test_every_patch_has_a_test_that_fails_without_it():
     marks = patch_tests.marked_tests()
     ids = {p.id for p in all_patches()}
     assert not set(marks) - ids, f"unknown ids: {sorted(set(marks) - ids)}"
-    assert not ids - set(marks), ("no test marked patch_test(ID) for "
-                                  f"{sorted(ids - set(marks))}")
+    assert not ids - set(marks), (
+        f"no test marked patch_test(ID) for {sorted(ids - set(marks))}"
+    )
     # The meta-test runs unit tests only: a mark elsewhere goes unchecked.
-    outside = [f"{path.relative_to(ROOT)}:{line}"
-               for places in marks.values() for path, line in places
-               if path.parent != ROOT / "tests" / "unit"]
+    outside = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for places in marks.values()
+        for path, line in places
+        if path.parent != ROOT / "tests" / "unit"
+    ]
     assert not outside, f"marked tests outside tests/unit: {outside}"
     import test_patch_tests
 
     assert set(test_patch_tests.PATCH_IDS) == ids
-    assert test_patch_tests.DRIVER == pathlib.Path(patch_tests.__file__)
+    assert pathlib.Path(patch_tests.__file__) == test_patch_tests.DRIVER
 
 
 def test_catalogue_lists_every_patch_with_all_fields():
     md = render_markdown()
     for patch in all_patches():
-        section = re.search(rf"### {patch.id}: `{re.escape(patch.target)}`"
-                            r"(.*?)(?=\n### |\n## |\Z)", md, re.S)
+        section = re.search(
+            rf"### {patch.id}: `{re.escape(patch.target)}`"
+            r"(.*?)(?=\n### |\n## |\Z)",
+            md,
+            re.S,
+        )
         assert section, patch.id
         for field in ("Why:", "Upstream:", "Removal:"):
             assert field in section.group(1)

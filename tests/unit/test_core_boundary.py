@@ -36,14 +36,33 @@ print(json.dumps(result))
 
 
 def test_every_core_module_imports_without_vllm():
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result.pop("vllm loaded") == []
-    expected = {f"vllm_overlay.core.{name}" for name in (
-        "kv_layout", "patching", "pp_budget", "ops", "ops.block_copy",
-        "ops.triton_kernels", "offload", "offload.mapping", "offload.mover",
-        "pool", "pool.codec", "pool.config", "pool.pool")}
+    expected = {
+        f"vllm_overlay.core.{name}"
+        for name in (
+            "kv_layout",
+            "patching",
+            "pp_budget",
+            "ops",
+            "ops.block_copy",
+            "ops.triton_kernels",
+            "offload",
+            "offload.mapping",
+            "offload.mover",
+            "pool",
+            "pool.codec",
+            "pool.config",
+            "pool.pool",
+        )
+    }
     assert set(result) == expected
     failed = {name: error for name, error in result.items() if error}
     assert not failed, failed

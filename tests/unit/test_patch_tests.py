@@ -28,13 +28,20 @@ PATCH_IDS = [p.id for p in all_patches()]
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("patch-tests") / "report.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("VLLM_OVERLAY_SKIP_PATCHES", None)
     env.pop("VLLM_OVERLAY_DISABLE", None)
-    proc = subprocess.run([sys.executable, str(DRIVER), str(out), *PATCH_IDS],
-                          cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), str(out), *PATCH_IDS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0 and out.exists(), proc.stdout + proc.stderr
     return json.loads(out.read_text())
 
@@ -63,9 +70,11 @@ def test_marked_tests_fail_without_their_patch(report, patch_id):
         result = child["outcomes"].get(nodeid, {"outcome": "not run"})
         assert result["outcome"] == "failed", (
             f"{nodeid} is marked patch_test({patch_id!r}) but "
-            f"{result['outcome']} without it:\n{result.get('text', '')}")
+            f"{result['outcome']} without it:\n{result.get('text', '')}"
+        )
         # Failing only because the test asked the registry for the stock
         # method of the missing patch proves nothing about the patch.
         assert "has no original" not in result["text"], (
             f"{nodeid} fails without {patch_id} only because it asks "
-            f"REGISTRY.original for the stock method:\n{result['text']}")
+            f"REGISTRY.original for the stock method:\n{result['text']}"
+        )

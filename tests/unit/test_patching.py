@@ -37,8 +37,15 @@ def fake_module():
 def test_replace_keeps_original_and_undo_restores(fake_module):
     registry = PatchRegistry()
     new = staticmethod(lambda: "patched")
-    state = registry.add(Patch(id="T-1", module=fake_module.__name__,
-                               target="Target.order", new=new, **ENTRY))
+    state = registry.add(
+        Patch(
+            id="T-1",
+            module=fake_module.__name__,
+            target="Target.order",
+            new=new,
+            **ENTRY,
+        )
+    )
     assert state.status == "applied" and state.detail == "replaced"
     assert fake_module.Target.order() == "patched"
     assert fake_module.Child.order() == "patched"
@@ -50,9 +57,15 @@ def test_replace_keeps_original_and_undo_restores(fake_module):
 
 def test_shadowing_an_inherited_attribute_is_an_addition(fake_module):
     registry = PatchRegistry()
-    state = registry.add(Patch(id="T-2", module=fake_module.__name__,
-                               target="Child.method",
-                               new=lambda self: "child", **ENTRY))
+    state = registry.add(
+        Patch(
+            id="T-2",
+            module=fake_module.__name__,
+            target="Child.method",
+            new=lambda self: "child",
+            **ENTRY,
+        )
+    )
     assert state.detail == "added"
     assert fake_module.Child().method() == "child"
     assert fake_module.Target().method() == "stock method"
@@ -61,48 +74,58 @@ def test_shadowing_an_inherited_attribute_is_an_addition(fake_module):
     assert fake_module.Child().method() == "stock method"
 
 
-def test_same_patch_twice_is_a_no_op_other_patch_same_target_refused(
-        fake_module):
+def test_same_patch_twice_is_a_no_op_other_patch_same_target_refused(fake_module):
     registry = PatchRegistry()
-    patch = Patch(id="T-3", module=fake_module.__name__, target="VALUE",
-                  new=2, **ENTRY)
+    patch = Patch(id="T-3", module=fake_module.__name__, target="VALUE", new=2, **ENTRY)
     first = registry.add(patch)
     assert registry.add(patch) is first  # re-entrant
     assert fake_module.VALUE == 2 and registry.original("T-3") == 1
     with pytest.raises(RuntimeError, match="already patched by T-3"):
-        registry.add(Patch(id="T-4", module=fake_module.__name__,
-                           target="VALUE", new=3, **ENTRY))
+        registry.add(
+            Patch(id="T-4", module=fake_module.__name__, target="VALUE", new=3, **ENTRY)
+        )
     with pytest.raises(RuntimeError, match="different contents"):
-        registry.add(Patch(id="T-3", module=fake_module.__name__,
-                           target="VALUE", new=4, **ENTRY))
+        registry.add(
+            Patch(id="T-3", module=fake_module.__name__, target="VALUE", new=4, **ENTRY)
+        )
     assert fake_module.VALUE == 2
 
 
 def test_missing_target_is_reported_not_raised(fake_module):
     registry = PatchRegistry()
-    state = registry.add(Patch(id="T-5", module=fake_module.__name__,
-                               target="Nope.method", new=1, **ENTRY))
+    state = registry.add(
+        Patch(
+            id="T-5", module=fake_module.__name__, target="Nope.method", new=1, **ENTRY
+        )
+    )
     assert state.status == "failed" and "Nope" in state.detail
 
 
 def test_skipped_patch_is_recorded_and_not_applied(fake_module):
     registry = PatchRegistry()
-    state = registry.add(Patch(id="T-6", module=fake_module.__name__,
-                               target="VALUE", new=9, **ENTRY),
-                         skip_reason="by request")
+    state = registry.add(
+        Patch(id="T-6", module=fake_module.__name__, target="VALUE", new=9, **ENTRY),
+        skip_reason="by request",
+    )
     assert (state.status, state.detail) == ("skipped", "by request")
     assert fake_module.VALUE == 1
 
 
-def test_patch_applies_when_its_module_is_first_imported(tmp_path,
-                                                         monkeypatch):
+def test_patch_applies_when_its_module_is_first_imported(tmp_path, monkeypatch):
     (tmp_path / "overlay_lazy_target.py").write_text(
-        "class C:\n    def f(self):\n        return 'stock'\n")
+        "class C:\n    def f(self):\n        return 'stock'\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     registry = PatchRegistry()
-    state = registry.add(Patch(id="T-7", module="overlay_lazy_target",
-                               target="C.f", new=lambda self: "patched",
-                               **ENTRY))
+    state = registry.add(
+        Patch(
+            id="T-7",
+            module="overlay_lazy_target",
+            target="C.f",
+            new=lambda self: "patched",
+            **ENTRY,
+        )
+    )
     assert state.status == "pending"
     assert "overlay_lazy_target" not in sys.modules
     try:
@@ -118,5 +141,6 @@ def test_patch_applies_when_its_module_is_first_imported(tmp_path,
 
 def test_catalogue_fields_are_required():
     with pytest.raises(ValueError, match="'why' is empty"):
-        Patch(id="T-8", module="m", target="t", new=1, why="", upstream="u",
-              removal="r")
+        Patch(
+            id="T-8", module="m", target="t", new=1, why="", upstream="u", removal="r"
+        )

@@ -33,25 +33,33 @@ def test_codec_round_trip_and_every_check():
         (value, b"k1", NS, len(payload) + 1, "layout needs"),
         (value[:20], b"k1", NS, len(payload), "shorter than the header"),
         (b"XXXX" + value[4:], b"k1", NS, len(payload), "bad magic"),
-        (value[:4] + b"\x09\x00" + value[6:], b"k1", NS, len(payload),
-         "format version 9"),
+        (
+            value[:4] + b"\x09\x00" + value[6:],
+            b"k1",
+            NS,
+            len(payload),
+            "format version 9",
+        ),
     ]
     for data, key, ns, length, message in cases:
         with pytest.raises(codec.BadValue, match=message):
             codec.decode(ns, key, data, length)
 
 
-@pytest.mark.parametrize("values,message", [
-    ({}, "missing"),  # url is required by the dataclass
-    ({"url": "http://x"}, "scheme must be one of"),
-    ({"url": "redis://"}, "has no host"),
-    ({"url": "redis://h", "cluster": "yes"}, "cluster must be true or false"),
-    ({"url": "redis://h", "namespace": "a b"}, "without spaces"),
-    ({"url": "redis://h", "timeout_s": 0}, "timeout_s must be a positive"),
-    ({"url": "redis://h", "max_inflight_bytes": -1}, "max_inflight_bytes"),
-    ({"url": "redis://h", "ttl_s": 1.5}, "ttl_s must be a positive integer"),
-    ({"url": "redis://h", "urll": 1}, "unknown pool options"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({}, "missing"),  # url is required by the dataclass
+        ({"url": "http://x"}, "scheme must be one of"),
+        ({"url": "redis://"}, "has no host"),
+        ({"url": "redis://h", "cluster": "yes"}, "cluster must be true or false"),
+        ({"url": "redis://h", "namespace": "a b"}, "without spaces"),
+        ({"url": "redis://h", "timeout_s": 0}, "timeout_s must be a positive"),
+        ({"url": "redis://h", "max_inflight_bytes": -1}, "max_inflight_bytes"),
+        ({"url": "redis://h", "ttl_s": 1.5}, "ttl_s must be a positive integer"),
+        ({"url": "redis://h", "urll": 1}, "unknown pool options"),
+    ],
+)
 def test_bad_config_is_rejected(values, message):
     with pytest.raises((ValueError, TypeError), match=message):
         PoolConfig.from_dict(values)
@@ -75,7 +83,7 @@ def test_store_lookup_load_and_stats():
             assert pool.count_hits([b"k9", b"k0"]) == 0  # leading gap
             pool.submit_load("job", [b"k1", b"k3", b"k0"])
             assert pool.drain()
-            (job, values), = pool.poll_loads()
+            ((job, values),) = pool.poll_loads()
             assert job == "job" and values == [items[1][1], None, items[0][1]]
             # Stored again: skipped, nothing rewritten.
             pool.submit_store(items[:1])
@@ -101,9 +109,15 @@ def test_in_flight_limit_drops_stores():
 
 def test_pool_down_fails_fast_and_recovers():
     with redis_server() as server:
-        pool = KVPool(PoolConfig(url=server.url, retry_backoff_s=0.2,
-                                 max_retry_backoff_s=0.2, timeout_s=0.5,
-                                 connect_timeout_s=0.2))
+        pool = KVPool(
+            PoolConfig(
+                url=server.url,
+                retry_backoff_s=0.2,
+                max_retry_backoff_s=0.2,
+                timeout_s=0.5,
+                connect_timeout_s=0.2,
+            )
+        )
         try:
             assert pool.submit_store([(b"a", b"1")]) and pool.drain()
             server.stop()
@@ -130,24 +144,54 @@ def test_tls_with_user_and_password(tmp_path):
     import subprocess
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days",
-                    "1", "-subj", "/CN=127.0.0.1", "-addext",
-                    "subjectAltName=IP:127.0.0.1"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     from support.redis_server import free_port
 
     tls_port = free_port()
-    with redis_server("--tls-port", str(tls_port), "--tls-cert-file",
-                      str(cert), "--tls-key-file", str(key),
-                      "--tls-ca-cert-file", str(cert), "--tls-auth-clients",
-                      "no") as server:
-        server.cli("acl", "setuser", "alice", "on", ">s3cret", "~*", "&*",
-                   "+@all")
-        good = KVPool(PoolConfig(url=f"rediss://alice:s3cret@127.0.0.1:"
-                                 f"{tls_port}", tls_ca_file=str(cert)))
-        bad = KVPool(PoolConfig(url=f"rediss://alice:wrong@127.0.0.1:"
-                                f"{tls_port}", tls_ca_file=str(cert)))
+    with redis_server(
+        "--tls-port",
+        str(tls_port),
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(cert),
+        "--tls-auth-clients",
+        "no",
+    ) as server:
+        server.cli("acl", "setuser", "alice", "on", ">s3cret", "~*", "&*", "+@all")
+        good = KVPool(
+            PoolConfig(
+                url=f"rediss://alice:s3cret@127.0.0.1:{tls_port}", tls_ca_file=str(cert)
+            )
+        )
+        bad = KVPool(
+            PoolConfig(
+                url=f"rediss://alice:wrong@127.0.0.1:{tls_port}", tls_ca_file=str(cert)
+            )
+        )
         try:
             assert good.submit_store([(b"t", b"over tls")]) and good.drain()
             assert good.count_hits([b"t"]) == 1
@@ -169,14 +213,18 @@ def test_mla_cross_layer_blocks_round_trip_through_the_pool():
     import torch
 
     from vllm_overlay.core.kv_layout import CrossLayerKVLayout
-    from vllm_overlay.integration.kv_tables import cross_layer_table
     from vllm_overlay.core.ops.block_copy import gather, scatter
+    from vllm_overlay.integration.kv_tables import cross_layer_table
 
     layout = CrossLayerKVLayout(
         dims=("blocks", "layers", "tokens", "head_size"),
-        shape=(12, 3, 16, 576), logical_dims=("blocks", "tokens", "head_size"),
-        dtype=torch.bfloat16, layer_names=("l0", "l1", "l2"), block_size=16,
-        kernel_block_size=16)
+        shape=(12, 3, 16, 576),
+        logical_dims=("blocks", "tokens", "head_size"),
+        dtype=torch.bfloat16,
+        layer_names=("l0", "l1", "l2"),
+        block_size=16,
+        kernel_block_size=16,
+    )
     assert layout.kv_offsets is None
     source = torch.randn(layout.shape).to(torch.bfloat16)
     target = torch.zeros_like(source)
@@ -191,21 +239,26 @@ def test_mla_cross_layer_blocks_round_trip_through_the_pool():
     with redis_server() as server:
         pool = KVPool(PoolConfig(url=server.url))
         try:
-            pool.submit_store([(k, codec.encode(NS, k, row.numpy().data))
-                               for k, row in zip(keys, staging)])
+            pool.submit_store(
+                [
+                    (k, codec.encode(NS, k, row.numpy().data))
+                    for k, row in zip(keys, staging)
+                ]
+            )
             assert pool.drain()
             pool.submit_load("j", keys)
             assert pool.drain()
-            (_, values), = pool.poll_loads()
+            ((_, values),) = pool.poll_loads()
         finally:
             pool.close()
-    rows = [torch.frombuffer(codec.decode(NS, k, v, layout.block_bytes),
-                             dtype=torch.uint8) for k, v in zip(keys, values)]
+    rows = [
+        torch.frombuffer(codec.decode(NS, k, v, layout.block_bytes), dtype=torch.uint8)
+        for k, v in zip(keys, values)
+    ]
     into = torch.tensor([1, 5, 9, 3], dtype=torch.int64)
     scatter(dst_table, into, torch.stack(rows), "dma")
     for src, dst in zip(blocks.tolist(), into.tolist()):
-        assert torch.equal(target[dst].view(torch.int16),
-                           source[src].view(torch.int16))
+        assert torch.equal(target[dst].view(torch.int16), source[src].view(torch.int16))
     untouched = [b for b in range(12) if b not in into.tolist()]
     assert not target[untouched].any()
 
@@ -232,8 +285,9 @@ def test_lookup_only_pool_starts_no_io_threads():
     import threading
 
     before = {t.ident for t in threading.enumerate()}
-    pool = KVPool(PoolConfig(url="redis://127.0.0.1:%d" % _closed_port()),
-                  io_threads=False)
+    pool = KVPool(
+        PoolConfig(url=f"redis://127.0.0.1:{_closed_port()}"), io_threads=False
+    )
     try:
         new = [t.name for t in threading.enumerate() if t.ident not in before]
         assert new == []
@@ -247,7 +301,7 @@ def test_lookup_only_pool_starts_no_io_threads():
 
 
 def test_probe_warns_once_with_the_redacted_url_and_does_not_block():
-    url = "redis://user:s3cret@127.0.0.1:%d/0" % _closed_port()
+    url = f"redis://user:s3cret@127.0.0.1:{_closed_port()}/0"
     config = PoolConfig(url=url, connect_timeout_s=0.5)
     records = _Records()
     logger = logging.getLogger("vllm.overlay")
@@ -262,7 +316,7 @@ def test_probe_warns_once_with_the_redacted_url_and_does_not_block():
     finally:
         pool.close()
         logger.removeHandler(records)
-    warning, = [m for m in records.messages if "cannot be reached" in m]
+    (warning,) = [m for m in records.messages if "cannot be reached" in m]
     assert config.redacted_url in warning
     assert "127.0.0.1" in warning and "s3cret" not in warning
 

@@ -20,23 +20,27 @@ def _closed_port() -> int:
 
 
 def make(role_name: str, url: str):
-    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig,
-                             VllmConfig)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import \
-        KVConnectorRole
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from vllm_overlay.connectors.shared_pool import SharedKVPoolConnector
 
     config = VllmConfig(
-        model_config=ModelConfig(model=str(DEFAULT_DIR), dtype="float32",
-                                 max_model_len=256),
+        model_config=ModelConfig(
+            model=str(DEFAULT_DIR), dtype="float32", max_model_len=256
+        ),
         cache_config=CacheConfig(block_size=16),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="SharedKVPoolConnector", kv_role="kv_both",
-            kv_connector_extra_config={"url": url, "connect_timeout_s": 0.5,
-                                       "timeout_s": 0.5}))
-    return SharedKVPoolConnector(config, getattr(KVConnectorRole, role_name),
-                                 None)
+            kv_connector="SharedKVPoolConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "url": url,
+                "connect_timeout_s": 0.5,
+                "timeout_s": 0.5,
+            },
+        ),
+    )
+    return SharedKVPoolConnector(config, getattr(KVConnectorRole, role_name), None)
 
 
 class _Records(logging.Handler):
@@ -53,7 +57,7 @@ def _threads() -> set[str]:
 
 
 def test_scheduler_role_starts_no_io_threads_and_worker_role_does(overlay):
-    url = "redis://127.0.0.1:%d" % _closed_port()
+    url = f"redis://127.0.0.1:{_closed_port()}"
     scheduler = make("SCHEDULER", url)
     try:
         assert scheduler.connector_worker is None
@@ -64,14 +68,14 @@ def test_scheduler_role_starts_no_io_threads_and_worker_role_does(overlay):
     worker = make("WORKER", url)
     try:
         assert worker.connector_scheduler is None
-        assert IO_THREADS <= _threads()
+        assert _threads() >= IO_THREADS
     finally:
         worker.shutdown()
     assert not _threads() & IO_THREADS
 
 
 def test_unreachable_pool_is_reported_at_creation(overlay):
-    url = "redis://user:s3cret@127.0.0.1:%d/0" % _closed_port()
+    url = f"redis://user:s3cret@127.0.0.1:{_closed_port()}/0"
     records = _Records()
     logger = logging.getLogger("vllm.overlay")
     logger.addHandler(records)
@@ -98,7 +102,7 @@ def test_only_the_scheduler_role_probes(overlay):
     logger = logging.getLogger("vllm.overlay")
     logger.addHandler(records)
     try:
-        connector = make("WORKER", "redis://127.0.0.1:%d" % _closed_port())
+        connector = make("WORKER", f"redis://127.0.0.1:{_closed_port()}")
         connector.shutdown()
         time.sleep(1.0)
     finally:

@@ -9,12 +9,15 @@ from vllm_overlay.core.pp_budget import StageBudget, split_budget
 GiB = 2**30
 
 
-@pytest.mark.parametrize("layers,expected", [
-    ([56, 8], [7 * GiB, 1 * GiB]),
-    ([48, 16], [6 * GiB, 2 * GiB]),
-    ([16, 16, 16, 16], [2 * GiB] * 4),
-    ([64], [8 * GiB]),  # PP=1: unchanged
-])
+@pytest.mark.parametrize(
+    "layers,expected",
+    [
+        ([56, 8], [7 * GiB, 1 * GiB]),
+        ([48, 16], [6 * GiB, 2 * GiB]),
+        ([16, 16, 16, 16], [2 * GiB] * 4),
+        ([64], [8 * GiB]),  # PP=1: unchanged
+    ],
+)
 def test_split_by_layers(layers, expected):
     assert split_budget(8 * GiB, layers) == expected
 
@@ -36,14 +39,19 @@ def test_bad_splits():
 
 
 def test_stage_blocks_and_too_small_budget():
-    stage = StageBudget(rank=1, layers=8, bytes=7 * 2**20,
-                        page_bytes_per_layer=2**16, block_size=16)
+    stage = StageBudget(
+        rank=1, layers=8, bytes=7 * 2**20, page_bytes_per_layer=2**16, block_size=16
+    )
     assert stage.blocks == 14
     assert "PP rank 1: 8 layers" in stage.describe(1024)
-    small = StageBudget(rank=1, layers=8, bytes=2**18,
-                        page_bytes_per_layer=2**16, block_size=16)
-    with pytest.raises(ValueError, match=r"stage 1 \(8 layers\) gets 262144 "
-                       r"B .* less than one block .*524288 B"):
+    small = StageBudget(
+        rank=1, layers=8, bytes=2**18, page_bytes_per_layer=2**16, block_size=16
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"stage 1 \(8 layers\) gets 262144 "
+        r"B .* less than one block .*524288 B",
+    ):
         small.check()
 
 
@@ -54,10 +62,14 @@ def engine_config(monkeypatch, partition=None, **kwargs):
 
     if partition:
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
-    return EngineArgs(model=tiny_model_path(), dtype="float32",
-                      max_model_len=512, pipeline_parallel_size=2,
-                      distributed_executor_backend="mp",
-                      **kwargs).create_engine_config()
+    return EngineArgs(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=512,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+        **kwargs,
+    ).create_engine_config()
 
 
 FLAG = {"additional_config": {"enable_pp_prop_kv_cache": True}}
@@ -71,8 +83,11 @@ def test_flag_needs_a_byte_budget(overlay, monkeypatch):
 
 @pytest.mark.patch_test("PP-03")
 def test_partition_must_match_the_model(overlay, monkeypatch):
-    with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION='3,3' does "
-                       "not split the model's 4 layers over 2"):
+    with pytest.raises(
+        ValueError,
+        match="VLLM_PP_LAYER_PARTITION='3,3' does "
+        "not split the model's 4 layers over 2",
+    ):
         engine_config(monkeypatch, "3,3", kv_cache_memory_bytes=2**24, **FLAG)
 
 
@@ -80,15 +95,22 @@ def test_partition_must_match_the_model(overlay, monkeypatch):
 def test_budget_too_small_for_a_block(overlay, monkeypatch):
     # 128-token blocks, 2 KV heads x 32 x 2 (K,V) x 4 B = 512 B/token/layer.
     # Shares are proportional, so the first stage is short as well.
-    with pytest.raises(ValueError, match=r"stage 0 \(3 layers\) gets 98304 B"
-                       r".*one block .*\(196608 B\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"stage 0 \(3 layers\) gets 98304 B"
+        r".*one block .*\(196608 B\)",
+    ):
         engine_config(monkeypatch, "3,1", kv_cache_memory_bytes=2**17, **FLAG)
 
 
 def test_flag_must_be_a_bool(overlay, monkeypatch):
     with pytest.raises(ValueError, match="must be true or false"):
-        engine_config(monkeypatch, "3,1", kv_cache_memory_bytes=2**24,
-                      additional_config={"enable_pp_prop_kv_cache": "yes"})
+        engine_config(
+            monkeypatch,
+            "3,1",
+            kv_cache_memory_bytes=2**24,
+            additional_config={"enable_pp_prop_kv_cache": "yes"},
+        )
 
 
 @pytest.mark.patch_test("PP-01", "PP-02")
@@ -100,12 +122,21 @@ def test_command_line_flag_reaches_additional_config(overlay):
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     assert "--enable-pp-prop-kv-cache" in parser.format_help()
-    args = parser.parse_args(["--model", tiny_model_path(), "--enable-pp-prop-kv-cache",
-                              "--kv-cache-memory-bytes", "8G"])
+    args = parser.parse_args(
+        [
+            "--model",
+            tiny_model_path(),
+            "--enable-pp-prop-kv-cache",
+            "--kv-cache-memory-bytes",
+            "8G",
+        ]
+    )
     engine_args = AsyncEngineArgs.from_cli_args(args)
     assert engine_args.additional_config["enable_pp_prop_kv_cache"] is True
     assert engine_args.kv_cache_memory_bytes == 8 * 2**30
-    plain = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", tiny_model_path()]))
+    plain = AsyncEngineArgs.from_cli_args(
+        parser.parse_args(["--model", tiny_model_path()])
+    )
     assert "enable_pp_prop_kv_cache" not in (plain.additional_config or {})
 
 
@@ -120,13 +151,15 @@ def test_gpu_worker_returns_its_stage_share(overlay, monkeypatch):
 
     from vllm_overlay.core.patching import REGISTRY
 
-    config = engine_config(monkeypatch, "3,1", kv_cache_memory_bytes=16 * 2**20,
-                           **FLAG)
-    monkeypatch.setattr(REGISTRY.state("PP-04"), "original",
-                        lambda self: self.vllm_config.cache_config
-                        .kv_cache_memory_bytes)
-    monkeypatch.setattr(parallel_state, "get_pp_group",
-                        lambda: types.SimpleNamespace(rank_in_group=1))
+    config = engine_config(monkeypatch, "3,1", kv_cache_memory_bytes=16 * 2**20, **FLAG)
+    monkeypatch.setattr(
+        REGISTRY.state("PP-04"),
+        "original",
+        lambda self: self.vllm_config.cache_config.kv_cache_memory_bytes,
+    )
+    monkeypatch.setattr(
+        parallel_state, "get_pp_group", lambda: types.SimpleNamespace(rank_in_group=1)
+    )
     worker = types.SimpleNamespace(vllm_config=config)
     assert Worker.determine_available_memory(worker) == 4 * 2**20
     assert worker.vllm_overlay_kv_budget == 4 * 2**20
@@ -142,11 +175,12 @@ def test_cpu_worker_budget_is_kv_cache_memory_bytes(overlay):
 
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    cache = types.SimpleNamespace(kv_cache_memory_bytes=8 * 2**20,
-                                  cpu_kvcache_space_bytes=4 * GiB)
+    cache = types.SimpleNamespace(
+        kv_cache_memory_bytes=8 * 2**20, cpu_kvcache_space_bytes=4 * GiB
+    )
     worker = types.SimpleNamespace(
-        cache_config=cache, vllm_config=types.SimpleNamespace(
-            additional_config={}))
+        cache_config=cache, vllm_config=types.SimpleNamespace(additional_config={})
+    )
     assert CPUWorker.determine_available_memory(worker) == 8 * 2**20
     cache.kv_cache_memory_bytes = None
     assert CPUWorker.determine_available_memory(worker) == 4 * GiB

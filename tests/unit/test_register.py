@@ -33,10 +33,14 @@ print("RESULT:" + json.dumps({"first": first, "second": second,
 
 
 def run_probe(*args: str, **env: str) -> tuple[int, dict | None, str]:
-    proc = subprocess.run([sys.executable, "-c", PROBE, *args],
-                          env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=300)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT:")]
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
     result = json.loads(lines[0][7:]) if lines else None
     return proc.returncode, result, proc.stdout + proc.stderr
 
@@ -84,9 +88,19 @@ def test_bad_env_values_are_rejected_clearly():
     assert rc != 0 and "unknown patch ids ['CL-99']" in log
 
 
-@pytest.mark.parametrize("version,ok", [
-    ("0.11.2", True), ("0.11.2+cpu", True), ("0.11.2.post1", True),
-    ("0.11.1", False), ("0.12.0", False), ("0.11.2rc1", False),
-    ("0.11.2.dev3", False), ("garbage", False), (None, False)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("0.11.2", True),
+        ("0.11.2+cpu", True),
+        ("0.11.2.post1", True),
+        ("0.11.1", False),
+        ("0.12.0", False),
+        ("0.11.2rc1", False),
+        ("0.11.2.dev3", False),
+        ("garbage", False),
+        (None, False),
+    ],
+)
 def test_version_gate(version, ok):
     assert is_supported_version(version) is ok

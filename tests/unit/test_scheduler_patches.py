@@ -16,15 +16,22 @@ BLOCK = 16
 @pytest.fixture
 def make(overlay):
     import torch
-    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig,
-                             SchedulerConfig, VllmConfig)
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher,
-                                             init_none_hash)
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -37,30 +44,50 @@ def make(overlay):
         cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
         cache.num_gpu_blocks = 10
         config = VllmConfig(
-            model_config=ModelConfig(model=tiny_model_path(), dtype="float32",
-                                     max_model_len=256),
+            model_config=ModelConfig(
+                model=tiny_model_path(), dtype="float32", max_model_len=256
+            ),
             cache_config=cache,
-            scheduler_config=SchedulerConfig(max_num_seqs=8,
-                                             max_num_batched_tokens=512,
-                                             max_model_len=256),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256
+            ),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="OverlayOffloadingConnector", kv_role="kv_both",
-                kv_connector_extra_config={"num_cpu_blocks": 32}))
-        kv_config = KVCacheConfig(num_blocks=10, kv_cache_tensors=[],
-                                  kv_cache_groups=[KVCacheGroupSpec(
-                                      ["layer.0"], FullAttentionSpec(
-                                          block_size=BLOCK, num_kv_heads=1,
-                                          head_size=16,
-                                          dtype=torch.float32))])
-        return Scheduler(vllm_config=config, kv_cache_config=kv_config,
-                         structured_output_manager=StructuredOutputManager(
-                             config), block_size=BLOCK)
+                kv_connector="OverlayOffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"num_cpu_blocks": 32},
+            ),
+        )
+        kv_config = KVCacheConfig(
+            num_blocks=10,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer.0"],
+                    FullAttentionSpec(
+                        block_size=BLOCK,
+                        num_kv_heads=1,
+                        head_size=16,
+                        dtype=torch.float32,
+                    ),
+                )
+            ],
+        )
+        return Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+        )
 
     def request(rid: str, n_tokens: int, seed: int) -> Request:
-        return Request(rid, [(seed * 131 + i * 7) % 500 + 1
-                             for i in range(n_tokens)],
-                       SamplingParams(max_tokens=4), None, eos_token_id=None,
-                       block_hasher=hasher)
+        return Request(
+            rid,
+            [(seed * 131 + i * 7) % 500 + 1 for i in range(n_tokens)],
+            SamplingParams(max_tokens=4),
+            None,
+            eos_token_id=None,
+            block_hasher=hasher,
+        )
 
     return scheduler, request
 
@@ -82,10 +109,18 @@ def offload(sched, request, n_blocks: int) -> None:
 def report_loaded(sched, out, *req_ids: str) -> None:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    sched.update_from_output(out, ModelRunnerOutput(
-        req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
-        prompt_logprobs_dict={}, pooler_output=[],
-        kv_connector_output=KVConnectorOutput(finished_recving=set(req_ids))))
+    sched.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=[],
+            req_id_to_index={},
+            sampled_token_ids=[],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(finished_recving=set(req_ids)),
+        ),
+    )
 
 
 def parked_load(make):
@@ -192,8 +227,7 @@ def test_kv04_stock_schedules_it_as_new(make):
     sched, a, out = parked_load(make)
     a.num_preemptions = 1
     report_loaded(sched, out, "A")
-    sched._update_waiting_for_remote_kv = (
-        lambda r: REGISTRY.original("KV-04")(sched, r))
+    sched._update_waiting_for_remote_kv = lambda r: REGISTRY.original("KV-04")(sched, r)
     second = sched.schedule()
     assert [r.req_id for r in second.scheduled_new_reqs] == ["A"]
 

@@ -4,24 +4,30 @@ from __future__ import annotations
 
 CONNECTORS = {
     # name in kv_transfer_config -> (module, class)
-    "CrossLayerProbeConnector": ("vllm_overlay.connectors.probe",
-                                 "CrossLayerProbeConnector"),
-    "OverlayOffloadingConnector": ("vllm_overlay.connectors.offloading",
-                                   "OverlayOffloadingConnector"),
-    "SharedKVPoolConnector": ("vllm_overlay.connectors.shared_pool",
-                              "SharedKVPoolConnector"),
+    "CrossLayerProbeConnector": (
+        "vllm_overlay.connectors.probe",
+        "CrossLayerProbeConnector",
+    ),
+    "OverlayOffloadingConnector": (
+        "vllm_overlay.connectors.offloading",
+        "OverlayOffloadingConnector",
+    ),
+    "SharedKVPoolConnector": (
+        "vllm_overlay.connectors.shared_pool",
+        "SharedKVPoolConnector",
+    ),
 }
 OFFLOADING_SPECS = {
     # spec_name for stock OffloadingConnector -> (module, class)
-    "OverlayCPUOffloadingSpec": ("vllm_overlay.connectors.offloading",
-                                 "OverlayCPUOffloadingSpec"),
+    "OverlayCPUOffloadingSpec": (
+        "vllm_overlay.connectors.offloading",
+        "OverlayCPUOffloadingSpec",
+    ),
 }
 
 
 def register_connectors() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import \
-        KVConnectorFactory
-
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     for name, (module, cls) in CONNECTORS.items():

@@ -30,33 +30,45 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorRole)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import \
-    KVConnectorStats
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-    OffloadingConnector, OffloadingConnectorScheduler,
-    OffloadingConnectorWorker)
+    OffloadingConnector,
+    OffloadingConnectorScheduler,
+    OffloadingConnectorWorker,
+)
 from vllm.v1.kv_offload.cpu import CPUOffloadingSpec
 from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
-from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
-from vllm_overlay.integration.model_kv import kv_bytes_per_token
 from vllm_overlay.core.offload.mapping import pair_sub_blocks
 from vllm_overlay.core.offload.mover import METHODS, BlockMover, TransferStats
 from vllm_overlay.core.ops.block_copy import BlockTable
+from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
+from vllm_overlay.integration.model_kv import kv_bytes_per_token
 
 logger = logging.getLogger("vllm.overlay")
 
-KEYS = {"num_cpu_blocks", "cpu_bytes", "block_size", "eviction_policy",
-        "transfer_method", "spec_name", "spec_module_path"}
+KEYS = {
+    "num_cpu_blocks",
+    "cpu_bytes",
+    "block_size",
+    "eviction_policy",
+    "transfer_method",
+    "spec_name",
+    "spec_module_path",
+}
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"kv_connector_extra_config['{name}'] must be a "
-                         f"positive integer, got {value!r}")
+        raise ValueError(
+            f"kv_connector_extra_config['{name}'] must be a "
+            f"positive integer, got {value!r}"
+        )
     return value
 
 
@@ -65,36 +77,45 @@ class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
     handlers that work on CUDA and CPU, per-layer or cross-layer."""
 
     def __init__(self, vllm_config) -> None:
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config
-                     or {})
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         unknown = set(extra) - KEYS
         if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config keys "
-                             f"{sorted(unknown)}; known: {sorted(KEYS)}")
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys "
+                f"{sorted(unknown)}; known: {sorted(KEYS)}"
+            )
         gpu_block = vllm_config.cache_config.block_size
-        block_size = _positive_int("block_size",
-                                   extra.get("block_size", gpu_block))
+        block_size = _positive_int("block_size", extra.get("block_size", gpu_block))
         if block_size % gpu_block:
-            raise ValueError(f"offloaded block_size {block_size} must be a "
-                             f"multiple of the KV cache block size {gpu_block}")
+            raise ValueError(
+                f"offloaded block_size {block_size} must be a "
+                f"multiple of the KV cache block size {gpu_block}"
+            )
         if ("num_cpu_blocks" in extra) == ("cpu_bytes" in extra):
-            raise ValueError("set exactly one of num_cpu_blocks and cpu_bytes "
-                             "in kv_connector_extra_config")
+            raise ValueError(
+                "set exactly one of num_cpu_blocks and cpu_bytes "
+                "in kv_connector_extra_config"
+            )
         if "cpu_bytes" in extra:
             block_bytes = kv_bytes_per_token(vllm_config) * block_size
             cpu_bytes = _positive_int("cpu_bytes", extra.pop("cpu_bytes"))
             if cpu_bytes < block_bytes:
-                raise ValueError(f"cpu_bytes={cpu_bytes} is less than one "
-                                 f"offloaded block ({block_bytes} B)")
+                raise ValueError(
+                    f"cpu_bytes={cpu_bytes} is less than one "
+                    f"offloaded block ({block_bytes} B)"
+                )
             extra["num_cpu_blocks"] = cpu_bytes // block_bytes
         _positive_int("num_cpu_blocks", extra["num_cpu_blocks"])
         self.transfer_method = extra.pop("transfer_method", "auto")
         if self.transfer_method not in METHODS:
-            raise ValueError(f"transfer_method {self.transfer_method!r}: "
-                             f"expected one of {', '.join(METHODS)}")
+            raise ValueError(
+                f"transfer_method {self.transfer_method!r}: "
+                f"expected one of {', '.join(METHODS)}"
+            )
         if extra.get("eviction_policy", "lru") not in ("lru", "arc"):
-            raise ValueError(f"eviction_policy {extra['eviction_policy']!r}: "
-                             "expected lru or arc")
+            raise ValueError(
+                f"eviction_policy {extra['eviction_policy']!r}: expected lru or arc"
+            )
         # CPUOffloadingSpec.__init__ would demand num_cpu_blocks in the
         # config; set its fields from the validated values instead.
         OffloadingSpec.__init__(self, vllm_config)
@@ -105,29 +126,36 @@ class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
         self.factor = self.offloaded_block_size // self.gpu_block_size
 
     # worker side ---------------------------------------------------------
-    def make_handler(self, table: BlockTable, what: str
-                     ) -> "BlockMoverHandler":
-        handler = BlockMoverHandler(table, self.num_cpu_blocks * self.factor,
-                                    self.factor, self.transfer_method)
-        logger.info("vllm-overlay offloading: %s, %d B per block in %d "
-                    "run(s), host pool %d blocks (%.1f MiB), copies by %s",
-                    what, table.block_bytes, table.runs_per_block,
-                    handler.mover.host.shape[0],
-                    handler.mover.host_bytes / 2**20, handler.mover.method)
+    def make_handler(self, table: BlockTable, what: str) -> BlockMoverHandler:
+        handler = BlockMoverHandler(
+            table, self.num_cpu_blocks * self.factor, self.factor, self.transfer_method
+        )
+        logger.info(
+            "vllm-overlay offloading: %s, %d B per block in %d "
+            "run(s), host pool %d blocks (%.1f MiB), copies by %s",
+            what,
+            table.block_bytes,
+            table.runs_per_block,
+            handler.mover.host.shape[0],
+            handler.mover.host_bytes / 2**20,
+            handler.mover.method,
+        )
         return handler
 
     def get_handlers(self, kv_caches: dict[str, torch.Tensor]):
         """Per-layer caches (stock layout)."""
-        handler = self.make_handler(per_layer_table(self.vllm_config,
-                                                    kv_caches),
-                                    f"{len(kv_caches)} per-layer caches")
+        handler = self.make_handler(
+            per_layer_table(self.vllm_config, kv_caches),
+            f"{len(kv_caches)} per-layer caches",
+        )
         yield GPULoadStoreSpec, CPULoadStoreSpec, handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handler
 
     def get_cross_layer_handlers(self, kv_cache: torch.Tensor, layout):
-        handler = self.make_handler(cross_layer_table(kv_cache, layout),
-                                    f"cross-layer buffer "
-                                    f"({layout.num_layers} layers)")
+        handler = self.make_handler(
+            cross_layer_table(kv_cache, layout),
+            f"cross-layer buffer ({layout.num_layers} layers)",
+        )
         yield GPULoadStoreSpec, CPULoadStoreSpec, handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handler
 
@@ -135,8 +163,9 @@ class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
 class BlockMoverHandler(OffloadingHandler):
     """vLLM's OffloadingHandler over a BlockMover (device <-> host pool)."""
 
-    def __init__(self, table: BlockTable, num_host_blocks: int, factor: int,
-                 method: str) -> None:
+    def __init__(
+        self, table: BlockTable, num_host_blocks: int, factor: int, method: str
+    ) -> None:
         self.mover = BlockMover(table, num_host_blocks, method)
         self.factor = factor
         self.totals = {"store": TransferStats(), "load": TransferStats()}
@@ -145,13 +174,15 @@ class BlockMoverHandler(OffloadingHandler):
         src, dst = spec
         to_host = isinstance(src, GPULoadStoreSpec)
         if to_host:
-            device, host = pair_sub_blocks(src.block_ids, 1, dst.block_ids,
-                                           self.factor)
+            device, host = pair_sub_blocks(src.block_ids, 1, dst.block_ids, self.factor)
         else:
-            host, device = pair_sub_blocks(src.block_ids, self.factor,
-                                           dst.block_ids, 1)
-        self.mover.submit(job_id, torch.from_numpy(np.ascontiguousarray(device)),
-                          torch.from_numpy(np.ascontiguousarray(host)), to_host)
+            host, device = pair_sub_blocks(src.block_ids, self.factor, dst.block_ids, 1)
+        self.mover.submit(
+            job_id,
+            torch.from_numpy(np.ascontiguousarray(device)),
+            torch.from_numpy(np.ascontiguousarray(host)),
+            to_host,
+        )
         return True
 
     def get_finished(self):
@@ -197,8 +228,9 @@ class OffloadStats(KVConnectorStats):
             out[f"{direction}_MiB"] = round(v.get("bytes", 0) / 2**20, 2)
             out[f"{direction}_copy_calls"] = v.get("copy_calls", 0)
             seconds = v.get("seconds", 0.0)
-            out[f"{direction}_GB_per_s"] = round(
-                v.get("bytes", 0) / seconds / 1e9, 2) if seconds else 0.0
+            out[f"{direction}_GB_per_s"] = (
+                round(v.get("bytes", 0) / seconds / 1e9, 2) if seconds else 0.0
+            )
         return out
 
     def is_empty(self) -> bool:
@@ -218,7 +250,8 @@ class _Scheduler(OffloadingConnectorScheduler):
 class _Worker(OffloadingConnectorWorker):
     def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
         for src_cls, dst_cls, handler in self.spec.get_cross_layer_handlers(
-                kv_cache, layout):
+            kv_cache, layout
+        ):
             self.worker.register_handler(src_cls, dst_cls, handler)
 
     @property
@@ -229,8 +262,9 @@ class _Worker(OffloadingConnectorWorker):
 class OverlayOffloadingConnector(OffloadingConnector):
     prefer_cross_layer_blocks = True
 
-    def __init__(self, vllm_config, role: KVConnectorRole,
-                 kv_cache_config=None) -> None:
+    def __init__(
+        self, vllm_config, role: KVConnectorRole, kv_cache_config=None
+    ) -> None:
         # Stock __init__ builds its spec from the factory; ours is fixed.
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         spec = OverlayCPUOffloadingSpec(vllm_config)
@@ -241,8 +275,7 @@ class OverlayOffloadingConnector(OffloadingConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = _Worker(spec)
 
-    def register_cross_layers_kv_cache(self, kv_cache, attn_backend,
-                                       layout) -> None:
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend, layout) -> None:
         assert self.connector_worker is not None
         self.connector_worker.register_cross_layers_kv_cache(kv_cache, layout)
 
@@ -253,6 +286,7 @@ class OverlayOffloadingConnector(OffloadingConnector):
         return OffloadStats(data=data) if data else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict | None = None
-                                 ) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict | None = None
+    ) -> KVConnectorStats | None:
         return OffloadStats(data=data or {})

@@ -18,7 +18,10 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -36,19 +39,24 @@ def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
 
 
 class CrossLayerProbeConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config, role: KVConnectorRole,
-                 kv_cache_config=None) -> None:
+    def __init__(
+        self, vllm_config, role: KVConnectorRole, kv_cache_config=None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         unknown = set(extra) - {"prefer_cross_layer_blocks", "report_path"}
         if unknown:
-            raise ValueError(f"CrossLayerProbeConnector: unknown "
-                             f"kv_connector_extra_config keys {sorted(unknown)}")
+            raise ValueError(
+                f"CrossLayerProbeConnector: unknown "
+                f"kv_connector_extra_config keys {sorted(unknown)}"
+            )
         prefer = extra.get("prefer_cross_layer_blocks", True)
         if not isinstance(prefer, bool):
-            raise ValueError("CrossLayerProbeConnector: "
-                             "prefer_cross_layer_blocks must be true or false, "
-                             f"got {prefer!r}")
+            raise ValueError(
+                "CrossLayerProbeConnector: "
+                "prefer_cross_layer_blocks must be true or false, "
+                f"got {prefer!r}"
+            )
         self.prefer_cross_layer_blocks = prefer
         self.report_path: str | None = extra.get("report_path")
         self.registered_mode: str | None = None
@@ -65,8 +73,7 @@ class CrossLayerProbeConnector(KVConnectorBase_V1):
         self.kv_caches = kv_caches
         self._write_report()
 
-    def register_cross_layers_kv_cache(self, kv_cache, attn_backend,
-                                       layout) -> None:
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend, layout) -> None:
         self.registered_mode = "cross-layer"
         self.cross_layer_buffer = kv_cache
         self.attn_backend = attn_backend
@@ -79,8 +86,9 @@ class CrossLayerProbeConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
@@ -92,8 +100,9 @@ class CrossLayerProbeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
 
-    def update_state_after_alloc(self, request, blocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request, blocks, num_external_tokens: int
+    ) -> None:
         return
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -111,21 +120,29 @@ class CrossLayerProbeConnector(KVConnectorBase_V1):
         return bound
 
     def _write_report(self) -> None:
-        logger.info("CrossLayerProbeConnector: KV cache registered as %s",
-                    self.registered_mode)
+        logger.info(
+            "CrossLayerProbeConnector: KV cache registered as %s", self.registered_mode
+        )
         if not self.report_path:
             return
         report = {
             "mode": self.registered_mode,
-            "layout": (None if self.cross_layer_layout is None
-                       else self.cross_layer_layout.to_dict()),
-            "attn_backend": (None if self.attn_backend is None
-                             else self.attn_backend.get_name()),
-            "buffer": (None if self.cross_layer_buffer is None
-                       else tensor_summary(self.cross_layer_buffer)),
+            "layout": (
+                None
+                if self.cross_layer_layout is None
+                else self.cross_layer_layout.to_dict()
+            ),
+            "attn_backend": (
+                None if self.attn_backend is None else self.attn_backend.get_name()
+            ),
+            "buffer": (
+                None
+                if self.cross_layer_buffer is None
+                else tensor_summary(self.cross_layer_buffer)
+            ),
             "registered_layers": {
-                name: tensor_summary(t) for name, t in
-                (self.kv_caches or {}).items()},
+                name: tensor_summary(t) for name, t in (self.kv_caches or {}).items()
+            },
             "bound_layers": self._bound_layers(),
         }
         path = self.report_path

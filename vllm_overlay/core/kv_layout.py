@@ -33,28 +33,38 @@ class CrossLayerKVLayout:
 
     def __post_init__(self) -> None:
         if len(self.dims) != len(self.shape):
-            raise ValueError(f"dims {self.dims} and shape {self.shape} differ "
-                             "in length")
+            raise ValueError(
+                f"dims {self.dims} and shape {self.shape} differ in length"
+            )
         unknown = set(self.dims) - set(DIM_NAMES)
         if unknown or len(set(self.dims)) != len(self.dims):
-            raise ValueError(f"dims {self.dims}: names must be unique and "
-                             f"among {DIM_NAMES}")
+            raise ValueError(
+                f"dims {self.dims}: names must be unique and among {DIM_NAMES}"
+            )
         if sorted(("layers",) + self.logical_dims) != sorted(self.dims):
-            raise ValueError(f"logical dims {self.logical_dims} plus 'layers' "
-                             f"must be a permutation of {self.dims}")
+            raise ValueError(
+                f"logical dims {self.logical_dims} plus 'layers' "
+                f"must be a permutation of {self.dims}"
+            )
         if self.dims[0] != "blocks":
-            raise ValueError(f"dims {self.dims}: 'blocks' must be outermost "
-                             "so that each block is one contiguous run")
+            raise ValueError(
+                f"dims {self.dims}: 'blocks' must be outermost "
+                "so that each block is one contiguous run"
+            )
         if self.size("layers") != len(self.layer_names):
-            raise ValueError(f"{len(self.layer_names)} layer names for "
-                             f"{self.size('layers')} layers")
-        if (self.kernel_block_size <= 0
-                or self.block_size % self.kernel_block_size):
-            raise ValueError(f"block size {self.block_size} is not a multiple "
-                             f"of kernel block size {self.kernel_block_size}")
+            raise ValueError(
+                f"{len(self.layer_names)} layer names for {self.size('layers')} layers"
+            )
+        if self.kernel_block_size <= 0 or self.block_size % self.kernel_block_size:
+            raise ValueError(
+                f"block size {self.block_size} is not a multiple "
+                f"of kernel block size {self.kernel_block_size}"
+            )
         if self.size("tokens") != self.kernel_block_size:
-            raise ValueError(f"'tokens' dim is {self.size('tokens')}, kernel "
-                             f"block size is {self.kernel_block_size}")
+            raise ValueError(
+                f"'tokens' dim is {self.size('tokens')}, kernel "
+                f"block size is {self.kernel_block_size}"
+            )
 
     # -- sizes ----------------------------------------------------------
     def size(self, dim: str) -> int:
@@ -62,7 +72,7 @@ class CrossLayerKVLayout:
 
     def stride(self, dim: str) -> int:
         """Stride of ``dim`` in elements (the buffer is contiguous)."""
-        return math.prod(self.shape[self.dims.index(dim) + 1:])
+        return math.prod(self.shape[self.dims.index(dim) + 1 :])
 
     @property
     def element_size(self) -> int:
@@ -136,8 +146,9 @@ class CrossLayerKVLayout:
         ``buffer`` needs the physical shape; any dtype (tests view index
         tensors through the same strides)."""
         if tuple(buffer.shape) != self.shape:
-            raise ValueError(f"buffer shape {tuple(buffer.shape)} does not "
-                             f"match layout {self.shape}")
+            raise ValueError(
+                f"buffer shape {tuple(buffer.shape)} does not match layout {self.shape}"
+            )
         order = self.logical_order()
         inverse = [order.index(i) for i in range(len(order))]
         logical = buffer.permute(*inverse)
@@ -146,9 +157,11 @@ class CrossLayerKVLayout:
     # -- reporting --------------------------------------------------------
     def describe(self) -> str:
         dims = ", ".join(f"{d}={n}" for d, n in zip(self.dims, self.shape))
-        return (f"[{dims}] {str(self.dtype).removeprefix('torch.')}, "
-                f"{self.num_layers} layers, {self.block_bytes} B per block "
-                f"for all layers")
+        return (
+            f"[{dims}] {str(self.dtype).removeprefix('torch.')}, "
+            f"{self.num_layers} layers, {self.block_bytes} B per block "
+            f"for all layers"
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -163,6 +176,5 @@ class CrossLayerKVLayout:
             "cache_block_bytes": self.cache_block_bytes,
             "layer_offsets": list(self.layer_offsets),
             "layer_contiguous_in_block": self.layer_contiguous_in_block,
-            "kv_offsets": (None if self.kv_offsets is None
-                           else list(self.kv_offsets)),
+            "kv_offsets": (None if self.kv_offsets is None else list(self.kv_offsets)),
         }

@@ -19,7 +19,8 @@ import importlib.util
 import logging
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -76,14 +77,17 @@ class PatchRegistry:
             if patch.id in self._states:
                 state = self._states[patch.id]
                 if state.patch is not patch and state.patch != patch:
-                    raise RuntimeError(f"patch id {patch.id} registered twice "
-                                       "with different contents")
+                    raise RuntimeError(
+                        f"patch id {patch.id} registered twice with different contents"
+                    )
                 return state
             owner_id = self._by_symbol.get(patch.symbol)
             if owner_id is not None:
-                raise RuntimeError(f"{patch.symbol} is already patched by "
-                                   f"{owner_id}; refusing to patch it again "
-                                   f"with {patch.id}")
+                raise RuntimeError(
+                    f"{patch.symbol} is already patched by "
+                    f"{owner_id}; refusing to patch it again "
+                    f"with {patch.id}"
+                )
             state = PatchState(patch)
             self._states[patch.id] = state
             self._by_symbol[patch.symbol] = patch.id
@@ -105,23 +109,29 @@ class PatchRegistry:
                     owner = getattr(owner, part)
             except AttributeError as exc:
                 state.status, state.detail = "failed", f"target not found: {exc}"
-                logger.warning("vllm-overlay: patch %s (%s) not applied: %s",
-                               patch.id, patch.symbol, state.detail)
+                logger.warning(
+                    "vllm-overlay: patch %s (%s) not applied: %s",
+                    patch.id,
+                    patch.symbol,
+                    state.detail,
+                )
                 return
             if isinstance(owner, type):
                 # Replaced only if the class itself defines it; an inherited
                 # attribute is shadowed (added), and undo deletes ours.
                 state.owned = state.replaced = name in vars(owner)
-                state.original = (vars(owner)[name] if state.owned
-                                  else getattr(owner, name, _MISSING))
+                state.original = (
+                    vars(owner)[name] if state.owned else getattr(owner, name, _MISSING)
+                )
             else:
                 state.original = getattr(owner, name, _MISSING)
                 state.owned = state.replaced = state.original is not _MISSING
             setattr(owner, name, patch.new)
             state.status = "applied"
             state.detail = "replaced" if state.replaced else "added"
-            logger.debug("vllm-overlay: %s %s (%s)", state.detail,
-                         patch.symbol, patch.id)
+            logger.debug(
+                "vllm-overlay: %s %s (%s)", state.detail, patch.symbol, patch.id
+            )
 
     # -- queries --------------------------------------------------------
     def states(self) -> list[PatchState]:
@@ -135,8 +145,9 @@ class PatchRegistry:
         """The upstream attribute a patch replaced (raises if none)."""
         state = self._states[patch_id]
         if state.original is _MISSING:
-            raise LookupError(f"patch {patch_id} has no original "
-                              f"({state.status}: {state.detail})")
+            raise LookupError(
+                f"patch {patch_id} has no original ({state.status}: {state.detail})"
+            )
         return state.original
 
     def undo(self, patch_id: str) -> None:
@@ -210,8 +221,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader,
-                                                       "exec_module"):
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _HookedLoader(spec.loader)
                 return spec
         return None

@@ -16,17 +16,19 @@ import dataclasses
 
 def split_budget(total_bytes: int, layers_per_rank: list[int]) -> list[int]:
     if total_bytes <= 0:
-        raise ValueError(f"KV cache budget must be > 0 bytes, got "
-                         f"{total_bytes}")
+        raise ValueError(f"KV cache budget must be > 0 bytes, got {total_bytes}")
     if not layers_per_rank or any(n <= 0 for n in layers_per_rank):
-        raise ValueError(f"every pipeline stage needs at least one layer, "
-                         f"got partition {layers_per_rank}")
+        raise ValueError(
+            f"every pipeline stage needs at least one layer, "
+            f"got partition {layers_per_rank}"
+        )
     total_layers = sum(layers_per_rank)
     shares = [total_bytes * n // total_layers for n in layers_per_rank]
     remainders = [total_bytes * n % total_layers for n in layers_per_rank]
     leftover = total_bytes - sum(shares)
-    for rank in sorted(range(len(shares)), key=lambda r: (-remainders[r], r)
-                       )[:leftover]:
+    for rank in sorted(range(len(shares)), key=lambda r: (-remainders[r], r))[
+        :leftover
+    ]:
         shares[rank] += 1
     return shares
 
@@ -49,12 +51,15 @@ class StageBudget:
             raise ValueError(
                 f"pipeline stage {self.rank} ({self.layers} layers) gets "
                 f"{self.bytes} B of KV cache, less than one block for its "
-                f"layers ({need} B): raise --kv-cache-memory-bytes")
+                f"layers ({need} B): raise --kv-cache-memory-bytes"
+            )
 
     def describe(self, max_model_len: int) -> str:
         tokens = self.blocks * self.block_size
-        return (f"PP rank {self.rank}: {self.layers} layers, "
-                f"{self.bytes / 2**30:.3f} GiB ({self.bytes} B), "
-                f"{self.blocks} blocks = {tokens} tokens, max concurrency "
-                f"{tokens / max_model_len:.2f}x for {max_model_len}-token "
-                "requests")
+        return (
+            f"PP rank {self.rank}: {self.layers} layers, "
+            f"{self.bytes / 2**30:.3f} GiB ({self.bytes} B), "
+            f"{self.blocks} blocks = {tokens} tokens, max concurrency "
+            f"{tokens / max_model_len:.2f}x for {max_model_len}-token "
+            "requests"
+        )

@@ -36,28 +36,42 @@ def _stock(reason: str) -> CrossLayerPlan:
     return CrossLayerPlan(reason=reason)
 
 
-def name_kv_cache_dims(backend, num_blocks: int, block_size: int,
-                       num_kv_heads: int, head_size: int,
-                       cache_dtype: str) -> tuple[str, ...]:
+def name_kv_cache_dims(
+    backend,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype: str,
+) -> tuple[str, ...]:
     """Name each dim of ``backend.get_kv_cache_shape`` by varying one input
     at a time; the dim left over with size 2 is K/V.  Raises ValueError when
     the shape cannot be explained that way."""
-    args = dict(num_blocks=num_blocks, block_size=block_size,
-                num_kv_heads=num_kv_heads, head_size=head_size)
-    base = tuple(backend.get_kv_cache_shape(**args,
-                                            cache_dtype_str=cache_dtype))
+    args = dict(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+    )
+    base = tuple(backend.get_kv_cache_shape(**args, cache_dtype_str=cache_dtype))
     names: list[str | None] = [None] * len(base)
-    for arg, dim in (("num_blocks", "blocks"), ("block_size", "tokens"),
-                     ("num_kv_heads", "heads"), ("head_size", "head_size")):
-        varied = tuple(backend.get_kv_cache_shape(
-            **{**args, arg: args[arg] * 2}, cache_dtype_str=cache_dtype))
+    for arg, dim in (
+        ("num_blocks", "blocks"),
+        ("block_size", "tokens"),
+        ("num_kv_heads", "heads"),
+        ("head_size", "head_size"),
+    ):
+        varied = tuple(
+            backend.get_kv_cache_shape(
+                **{**args, arg: args[arg] * 2}, cache_dtype_str=cache_dtype
+            )
+        )
         changed = [i for i, (a, b) in enumerate(zip(base, varied)) if a != b]
         if len(varied) != len(base) or len(changed) > 1:
             raise ValueError(f"{arg} changes dims {changed} of {base}")
         if changed:
             if names[changed[0]] is not None:
-                raise ValueError(f"dim {changed[0]} of {base} depends on two "
-                                 "inputs")
+                raise ValueError(f"dim {changed[0]} of {base} depends on two inputs")
             names[changed[0]] = dim
     for i, name in enumerate(names):
         if name is None:
@@ -69,26 +83,32 @@ def name_kv_cache_dims(backend, num_blocks: int, block_size: int,
     return tuple(names)  # type: ignore[arg-type]
 
 
-def plan_cross_layer_kv_cache(runner, kv_cache_config,
-                              kernel_block_sizes: list[int]) -> CrossLayerPlan:
-    from vllm.distributed.kv_transfer import (get_kv_transfer_group,
-                                              has_kv_transfer_group)
+def plan_cross_layer_kv_cache(
+    runner, kv_cache_config, kernel_block_sizes: list[int]
+) -> CrossLayerPlan:
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     if not has_kv_transfer_group():
         return _stock("no KV connector is configured")
     connector = get_kv_transfer_group()
     if not getattr(connector, "prefer_cross_layer_blocks", False):
-        return _stock(f"KV connector {type(connector).__name__} does not "
-                      "prefer cross-layer blocks")
+        return _stock(
+            f"KV connector {type(connector).__name__} does not "
+            "prefer cross-layer blocks"
+        )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        return _stock(f"the model has {len(groups)} KV cache groups; "
-                      "cross-layer blocks need exactly one")
+        return _stock(
+            f"the model has {len(groups)} KV cache groups; "
+            "cross-layer blocks need exactly one"
+        )
     attn_groups = runner.attn_groups
     if len(attn_groups) != 1 or len(attn_groups[0]) != 1:
-        return _stock("the layers use more than one attention backend or "
-                      "KV spec")
+        return _stock("the layers use more than one attention backend or KV spec")
     group = attn_groups[0][0]
     spec, backend = group.kv_cache_spec, group.backend
     if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
@@ -102,31 +122,48 @@ def plan_cross_layer_kv_cache(runner, kv_cache_config,
         return _stock(f"per-layer KV tensors differ in size: {sorted(sizes)}")
     size = sizes.pop()
     if size % spec.page_size_bytes:
-        return _stock(f"tensor size {size} is not a multiple of the page "
-                      f"size {spec.page_size_bytes}")
+        return _stock(
+            f"tensor size {size} is not a multiple of the page "
+            f"size {spec.page_size_bytes}"
+        )
     kernel_block_size = kernel_block_sizes[0]
-    kernel_num_blocks = (size // spec.page_size_bytes
-                         * (spec.block_size // kernel_block_size))
+    kernel_num_blocks = (
+        size // spec.page_size_bytes * (spec.block_size // kernel_block_size)
+    )
     cache_dtype = runner.cache_config.cache_dtype
     name = backend.get_name()
     try:
-        order = tuple(backend.get_kv_cache_stride_order(
-            include_num_layers_dimension=True))
+        order = tuple(
+            backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+        )
     except (AttributeError, NotImplementedError, TypeError) as exc:
-        return _stock(f"attention backend {name} has no stride order with a "
-                      f"layers dimension ({exc})")
+        return _stock(
+            f"attention backend {name} has no stride order with a "
+            f"layers dimension ({exc})"
+        )
     try:
-        logical_dims = name_kv_cache_dims(backend, kernel_num_blocks,
-                                          kernel_block_size, spec.num_kv_heads,
-                                          spec.head_size, cache_dtype)
+        logical_dims = name_kv_cache_dims(
+            backend,
+            kernel_num_blocks,
+            kernel_block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            cache_dtype,
+        )
     except ValueError as exc:
         return _stock(f"cannot read the KV cache shape of {name}: {exc}")
     if sorted(order) != list(range(len(logical_dims) + 1)):
-        return _stock(f"attention backend {name} returned {order}, not a "
-                      f"permutation of {len(logical_dims) + 1} dims")
-    shape = backend.get_kv_cache_shape(kernel_num_blocks, kernel_block_size,
-                                       spec.num_kv_heads, spec.head_size,
-                                       cache_dtype_str=cache_dtype)
+        return _stock(
+            f"attention backend {name} returned {order}, not a "
+            f"permutation of {len(logical_dims) + 1} dims"
+        )
+    shape = backend.get_kv_cache_shape(
+        kernel_num_blocks,
+        kernel_block_size,
+        spec.num_kv_heads,
+        spec.head_size,
+        cache_dtype_str=cache_dtype,
+    )
     full_dims = ("layers",) + logical_dims
     full_shape = (len(tensors),) + tuple(shape)
     try:
@@ -142,16 +179,21 @@ def plan_cross_layer_kv_cache(runner, kv_cache_config,
     except ValueError as exc:
         return _stock(f"attention backend {name}: {exc}")
     if layout.total_bytes != size * len(tensors):
-        return _stock(f"layout needs {layout.total_bytes} B, the KV cache "
-                      f"config has {size * len(tensors)} B")
+        return _stock(
+            f"layout needs {layout.total_bytes} B, the KV cache "
+            f"config has {size * len(tensors)} B"
+        )
     return CrossLayerPlan(
         reason=f"connector {type(connector).__name__} prefers it, the model "
         f"is uniform and {name} supports a layers dimension",
-        layout=layout, backend=backend)
+        layout=layout,
+        backend=backend,
+    )
 
 
-def allocate_cross_layer_kv_cache(plan: CrossLayerPlan, kv_cache_config,
-                                  device) -> tuple[Any, dict[str, Any]]:
+def allocate_cross_layer_kv_cache(
+    plan: CrossLayerPlan, kv_cache_config, device
+) -> tuple[Any, dict[str, Any]]:
     """One buffer for all layers, and each layer's view into it (every name
     in a tensor's ``shared_by`` gets that tensor's view, as stock does)."""
     assert plan.layout is not None
@@ -166,8 +208,12 @@ def allocate_cross_layer_kv_cache(plan: CrossLayerPlan, kv_cache_config,
 
 def log_plan(plan: CrossLayerPlan) -> None:
     if plan.enabled:
-        logger.info("vllm-overlay: KV cache layout: cross-layer blocks (%s); "
-                    "buffer %s", plan.reason, plan.layout.describe())
+        logger.info(
+            "vllm-overlay: KV cache layout: cross-layer blocks (%s); buffer %s",
+            plan.reason,
+            plan.layout.describe(),
+        )
     else:
-        logger.info("vllm-overlay: KV cache layout: stock per-layer tensors "
-                    "(%s)", plan.reason)
+        logger.info(
+            "vllm-overlay: KV cache layout: stock per-layer tensors (%s)", plan.reason
+        )

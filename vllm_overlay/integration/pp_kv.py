@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from vllm_overlay.integration.model_kv import kv_bytes_per_token_per_layer
 from vllm_overlay.core.pp_budget import StageBudget, split_budget
+from vllm_overlay.integration.model_kv import kv_bytes_per_token_per_layer
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -23,20 +23,22 @@ CLI_FLAG = "--enable-pp-prop-kv-cache"
 def enabled(vllm_config) -> bool:
     value = (vllm_config.additional_config or {}).get(FLAG, False)
     if not isinstance(value, bool):
-        raise ValueError(f"additional_config['{FLAG}'] must be true or "
-                         f"false, got {value!r}")
+        raise ValueError(
+            f"additional_config['{FLAG}'] must be true or false, got {value!r}"
+        )
     return value
 
 
 def layers_per_stage(vllm_config) -> list[int]:
     from vllm.distributed.utils import get_pp_indices
 
-    total = getattr(vllm_config.model_config.hf_text_config,
-                    "num_hidden_layers", 0)
+    total = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", 0)
     pp = vllm_config.parallel_config.pipeline_parallel_size
     try:
-        return [end - start for start, end in
-                (get_pp_indices(total, r, pp) for r in range(pp))]
+        return [
+            end - start
+            for start, end in (get_pp_indices(total, r, pp) for r in range(pp))
+        ]
     except ValueError as exc:
         import os
 
@@ -50,14 +52,18 @@ def layers_per_stage(vllm_config) -> list[int]:
 def stage_budgets(vllm_config) -> list[StageBudget]:
     total = vllm_config.cache_config.kv_cache_memory_bytes
     if not total:
-        raise ValueError(f"{CLI_FLAG} (additional_config['{FLAG}']) needs "
-                         "--kv-cache-memory-bytes: the KV budget of the whole "
-                         "pipeline, which it splits by layers")
+        raise ValueError(
+            f"{CLI_FLAG} (additional_config['{FLAG}']) needs "
+            "--kv-cache-memory-bytes: the KV budget of the whole "
+            "pipeline, which it splits by layers"
+        )
     layers = layers_per_stage(vllm_config)
     block_size = vllm_config.cache_config.block_size
     page = block_size * kv_bytes_per_token_per_layer(vllm_config)
-    return [StageBudget(rank, n, share, page, block_size) for rank, (n, share)
-            in enumerate(zip(layers, split_budget(total, layers)))]
+    return [
+        StageBudget(rank, n, share, page, block_size)
+        for rank, (n, share) in enumerate(zip(layers, split_budget(total, layers)))
+    ]
 
 
 def validate(vllm_config) -> None:
@@ -67,10 +73,13 @@ def validate(vllm_config) -> None:
     budgets = stage_budgets(vllm_config)
     for budget in budgets:
         budget.check()
-    logger.info("vllm-overlay: PP KV budget %d B split by layers %s: %s B; "
-                "%s blocks per stage", vllm_config.cache_config
-                .kv_cache_memory_bytes, [b.layers for b in budgets],
-                [b.bytes for b in budgets], [b.blocks for b in budgets])
+    logger.info(
+        "vllm-overlay: PP KV budget %d B split by layers %s: %s B; %s blocks per stage",
+        vllm_config.cache_config.kv_cache_memory_bytes,
+        [b.layers for b in budgets],
+        [b.bytes for b in budgets],
+        [b.blocks for b in budgets],
+    )
 
 
 def rank_budget(vllm_config, stock_bytes: int) -> int:
@@ -81,6 +90,7 @@ def rank_budget(vllm_config, stock_bytes: int) -> int:
 
     budget = stage_budgets(vllm_config)[get_pp_group().rank_in_group]
     budget.check()
-    logger.info("vllm-overlay: %s", budget.describe(
-        vllm_config.model_config.max_model_len))
+    logger.info(
+        "vllm-overlay: %s", budget.describe(vllm_config.model_config.max_model_len)
+    )
     return budget.bytes

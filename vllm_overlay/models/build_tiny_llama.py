@@ -17,15 +17,91 @@ DEFAULT_DIR = pathlib.Path(__file__).with_name("tiny_llama")
 SEED = 20251121
 VOCAB_SIZE = 512
 
-_WORDS = (
-    "the a one two three four five six seven eight nine ten block cache layer "
-    "key value token model page copy host device fast slow memory prefix "
-    "request node pool write read load store offload swap kernel stream "
-    "event scatter gather contiguous transfer bytes time step decode prefill "
-    "attention head size order stride shape view tensor buffer index hash "
-    "red green blue river stone cloud light dark north south east west "
-    "apple bread water fire earth wind city road house door window tree"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "block",
+    "cache",
+    "layer",
+    "key",
+    "value",
+    "token",
+    "model",
+    "page",
+    "copy",
+    "host",
+    "device",
+    "fast",
+    "slow",
+    "memory",
+    "prefix",
+    "request",
+    "node",
+    "pool",
+    "write",
+    "read",
+    "load",
+    "store",
+    "offload",
+    "swap",
+    "kernel",
+    "stream",
+    "event",
+    "scatter",
+    "gather",
+    "contiguous",
+    "transfer",
+    "bytes",
+    "time",
+    "step",
+    "decode",
+    "prefill",
+    "attention",
+    "head",
+    "size",
+    "order",
+    "stride",
+    "shape",
+    "view",
+    "tensor",
+    "buffer",
+    "index",
+    "hash",
+    "red",
+    "green",
+    "blue",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "dark",
+    "north",
+    "south",
+    "east",
+    "west",
+    "apple",
+    "bread",
+    "water",
+    "fire",
+    "earth",
+    "wind",
+    "city",
+    "road",
+    "house",
+    "door",
+    "window",
+    "tree",
+]
 
 
 def _corpus(rng: random.Random, lines: int = 4000) -> list[str]:
@@ -52,9 +128,9 @@ def build_tokenizer(out_dir: pathlib.Path):
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(random.Random(SEED)), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer,
-                                   bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     fast.model_max_length = 4096
     fast.save_pretrained(out_dir)
     return fast

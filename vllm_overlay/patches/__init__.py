@@ -8,14 +8,22 @@ with their catalogue entries.  ``PATCHES.md`` is generated from them
 from __future__ import annotations
 
 from vllm_overlay import envs
-from vllm_overlay.patches import (patch_abstract, patch_arg_utils,
-                                  patch_cpu_attn, patch_cpu_worker,
-                                  patch_flash_attn, patch_flashinfer,
-                                  patch_gpu_model_runner, patch_gpu_worker,
-                                  patch_kv_cache_manager,
-                                  patch_kv_connector_base, patch_mla_common,
-                                  patch_mla_indexer, patch_scheduler)
 from vllm_overlay.core.patching import REGISTRY, Patch
+from vllm_overlay.patches import (
+    patch_abstract,
+    patch_arg_utils,
+    patch_cpu_attn,
+    patch_cpu_worker,
+    patch_flash_attn,
+    patch_flashinfer,
+    patch_gpu_model_runner,
+    patch_gpu_worker,
+    patch_kv_cache_manager,
+    patch_kv_connector_base,
+    patch_mla_common,
+    patch_mla_indexer,
+    patch_scheduler,
+)
 
 MODULES = (
     # Cross-layer KV blocks (vLLM RFC #27742 / PR #27743)
@@ -47,9 +55,10 @@ def apply_all() -> None:
     skipped = set(envs.SKIP_PATCHES.items())
     unknown = skipped - known
     if unknown:
-        raise ValueError(f"{envs.SKIP_PATCHES.name}: unknown patch ids "
-                         f"{sorted(unknown)}; known: {sorted(known)}")
+        raise ValueError(
+            f"{envs.SKIP_PATCHES.name}: unknown patch ids "
+            f"{sorted(unknown)}; known: {sorted(known)}"
+        )
     for patch in all_patches():
-        reason = (f"skipped by {envs.SKIP_PATCHES.name}"
-                  if patch.id in skipped else None)
+        reason = f"skipped by {envs.SKIP_PATCHES.name}" if patch.id in skipped else None
         REGISTRY.add(patch, skip_reason=reason)

@@ -7,8 +7,9 @@ from __future__ import annotations
 Orders = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def order_for_layout(orders: Orders, cache_layout: str,
-                     include_num_layers_dimension: bool) -> tuple[int, ...]:
+def order_for_layout(
+    orders: Orders, cache_layout: str, include_num_layers_dimension: bool
+) -> tuple[int, ...]:
     if cache_layout not in orders:
         raise ValueError(f"Unknown cache layout format {cache_layout}.")
     return orders[cache_layout][int(include_num_layers_dimension)]

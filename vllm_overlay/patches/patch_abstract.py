@@ -13,12 +13,13 @@ MODULE = "vllm.attention.backends.abstract"
 
 
 @classmethod
-def get_kv_cache_stride_order(cls, include_num_layers_dimension: bool = False
-                              ) -> tuple[int, ...]:
+def get_kv_cache_stride_order(
+    cls, include_num_layers_dimension: bool = False
+) -> tuple[int, ...]:
     what = "a layers dimension" if include_num_layers_dimension else "one"
     raise NotImplementedError(
-        f"attention backend {cls.__name__} defines no KV cache stride order "
-        f"with {what}")
+        f"attention backend {cls.__name__} defines no KV cache stride order with {what}"
+    )
 
 
 PATCHES = [
@@ -30,9 +31,7 @@ PATCHES = [
         why="Backends without a stride order must answer the "
         "include_num_layers_dimension question with NotImplementedError, "
         "not TypeError, so allocation can fall back to the stock layout.",
-        upstream="vllm-project/vllm#27743 (v0.12.0: keyword on the base "
-        "method)",
-        removal="Drop when the base is vLLM >= 0.12.0, which has the "
-        "keyword.",
+        upstream="vllm-project/vllm#27743 (v0.12.0: keyword on the base method)",
+        removal="Drop when the base is vLLM >= 0.12.0, which has the keyword.",
     ),
 ]

@@ -10,8 +10,8 @@ every stage) before any worker starts.
 
 import argparse
 
-from vllm_overlay.integration import pp_kv
 from vllm_overlay.core.patching import REGISTRY, Patch
+from vllm_overlay.integration import pp_kv
 
 MODULE = "vllm.engine.arg_utils"
 
@@ -20,12 +20,15 @@ MODULE = "vllm.engine.arg_utils"
 def add_cli_args(parser):
     parser = REGISTRY.original("PP-01")(parser)
     parser.add_argument(
-        pp_kv.CLI_FLAG, action=argparse.BooleanOptionalAction, default=None,
+        pp_kv.CLI_FLAG,
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="(vllm-overlay) Treat --kv-cache-memory-bytes as the KV budget "
         "of the whole pipeline and give each pipeline stage a share "
         "proportional to its layers (VLLM_PP_LAYER_PARTITION), so every "
         "stage fits the same number of blocks. Needs "
-        "--kv-cache-memory-bytes.")
+        "--kv-cache-memory-bytes.",
+    )
     return parser
 
 
@@ -34,8 +37,10 @@ def from_cli_args(cls, args):
     engine_args = REGISTRY.original("PP-02").__func__(cls, args)
     flag = getattr(args, pp_kv.FLAG, None)
     if flag is not None:
-        engine_args.additional_config = {**(engine_args.additional_config or {}),
-                                         pp_kv.FLAG: flag}
+        engine_args.additional_config = {
+            **(engine_args.additional_config or {}),
+            pp_kv.FLAG: flag,
+        }
     return engine_args
 
 
@@ -46,26 +51,48 @@ def create_engine_config(self, *args, **kwargs):
 
 
 _FEATURE = "pipeline-parallel KV budget"
-_UPSTREAM = ("vllm-project/vllm#25164 (flag version; upstream later merged a "
-             "different fix without the flag)")
-_REMOVAL = ("Drop if upstream adopts the flag; otherwise keep while the base "
-            "is 0.11.2 (upstream's min-shrink fix still leaves the budget "
-            "per rank).")
+_UPSTREAM = (
+    "vllm-project/vllm#25164 (flag version; upstream later merged a "
+    "different fix without the flag)"
+)
+_REMOVAL = (
+    "Drop if upstream adopts the flag; otherwise keep while the base "
+    "is 0.11.2 (upstream's min-shrink fix still leaves the budget "
+    "per rank)."
+)
 
 PATCHES = [
-    Patch(id="PP-01", module=MODULE, target="EngineArgs.add_cli_args",
-          new=add_cli_args, feature=_FEATURE, upstream=_UPSTREAM,
-          removal=_REMOVAL,
-          why="Expose --enable-pp-prop-kv-cache on the vLLM command line."),
-    Patch(id="PP-02", module=MODULE, target="EngineArgs.from_cli_args",
-          new=from_cli_args, feature=_FEATURE, upstream=_UPSTREAM,
-          removal=_REMOVAL,
-          why="EngineArgs has no field for the flag; carry it in "
-          "additional_config, which reaches every worker."),
-    Patch(id="PP-03", module=MODULE, target="EngineArgs.create_engine_config",
-          new=create_engine_config, feature=_FEATURE, upstream=_UPSTREAM,
-          removal=_REMOVAL,
-          why="Reject a bad configuration (no byte budget, a partition that "
-          "does not match the model, less than one block on a stage) in the "
-          "front end, with the values named."),
+    Patch(
+        id="PP-01",
+        module=MODULE,
+        target="EngineArgs.add_cli_args",
+        new=add_cli_args,
+        feature=_FEATURE,
+        upstream=_UPSTREAM,
+        removal=_REMOVAL,
+        why="Expose --enable-pp-prop-kv-cache on the vLLM command line.",
+    ),
+    Patch(
+        id="PP-02",
+        module=MODULE,
+        target="EngineArgs.from_cli_args",
+        new=from_cli_args,
+        feature=_FEATURE,
+        upstream=_UPSTREAM,
+        removal=_REMOVAL,
+        why="EngineArgs has no field for the flag; carry it in "
+        "additional_config, which reaches every worker.",
+    ),
+    Patch(
+        id="PP-03",
+        module=MODULE,
+        target="EngineArgs.create_engine_config",
+        new=create_engine_config,
+        feature=_FEATURE,
+        upstream=_UPSTREAM,
+        removal=_REMOVAL,
+        why="Reject a bad configuration (no byte budget, a partition that "
+        "does not match the model, less than one block on a stage) in the "
+        "front end, with the values named.",
+    ),
 ]

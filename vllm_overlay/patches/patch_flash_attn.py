@@ -7,8 +7,8 @@ HND: ``[blocks, heads, layers, 2, tokens, head_size]`` (upstream's choice: a
 TP rank's heads stay contiguous inside a block).
 """
 
-from vllm_overlay.patches.layout_orders import order_for_layout
 from vllm_overlay.core.patching import Patch
+from vllm_overlay.patches.layout_orders import order_for_layout
 
 MODULE = "vllm.v1.attention.backends.flash_attn"
 
@@ -19,20 +19,19 @@ _ORDERS = {
 }
 
 
-def stride_order_for_layout(cache_layout: str,
-                            include_num_layers_dimension: bool
-                            ) -> tuple[int, ...]:
-    return order_for_layout(_ORDERS, cache_layout,
-                            include_num_layers_dimension)
+def stride_order_for_layout(
+    cache_layout: str, include_num_layers_dimension: bool
+) -> tuple[int, ...]:
+    return order_for_layout(_ORDERS, cache_layout, include_num_layers_dimension)
 
 
 @staticmethod
-def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
-                              ) -> tuple[int, ...]:
+def get_kv_cache_stride_order(
+    include_num_layers_dimension: bool = False,
+) -> tuple[int, ...]:
     from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
-    return stride_order_for_layout(get_kv_cache_layout(),
-                                   include_num_layers_dimension)
+    return stride_order_for_layout(get_kv_cache_layout(), include_num_layers_dimension)
 
 
 PATCHES = [

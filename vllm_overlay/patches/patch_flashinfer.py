@@ -10,8 +10,8 @@ contiguous, so where they may be used the layers dimension is refused and the
 stock layout is kept (``VLLM_USE_TRTLLM_ATTENTION=0`` turns them off).
 """
 
-from vllm_overlay.patches.layout_orders import order_for_layout
 from vllm_overlay.core.patching import Patch
+from vllm_overlay.patches.layout_orders import order_for_layout
 
 MODULE = "vllm.v1.attention.backends.flashinfer"
 
@@ -21,38 +21,41 @@ _ORDERS = {
 }
 
 
-def stride_order_for_layout(cache_layout: str,
-                            include_num_layers_dimension: bool
-                            ) -> tuple[int, ...]:
-    return order_for_layout(_ORDERS, cache_layout,
-                            include_num_layers_dimension)
+def stride_order_for_layout(
+    cache_layout: str, include_num_layers_dimension: bool
+) -> tuple[int, ...]:
+    return order_for_layout(_ORDERS, cache_layout, include_num_layers_dimension)
 
 
 def trtllm_refusal() -> str | None:
     """Why FlashInfer cannot take a layers dimension here, or None."""
-    from vllm.utils.flashinfer import (force_use_trtllm_attention,
-                                       supports_trtllm_attention)
+    from vllm.utils.flashinfer import (
+        force_use_trtllm_attention,
+        supports_trtllm_attention,
+    )
 
     if force_use_trtllm_attention() is False:
         return None
     if supports_trtllm_attention():
-        return ("FlashInfer may use its TRT-LLM kernels on this GPU, which "
-                "need per-layer contiguous KV caches (set "
-                "VLLM_USE_TRTLLM_ATTENTION=0 to allow cross-layer blocks)")
+        return (
+            "FlashInfer may use its TRT-LLM kernels on this GPU, which "
+            "need per-layer contiguous KV caches (set "
+            "VLLM_USE_TRTLLM_ATTENTION=0 to allow cross-layer blocks)"
+        )
     return None
 
 
 @staticmethod
-def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
-                              ) -> tuple[int, ...]:
+def get_kv_cache_stride_order(
+    include_num_layers_dimension: bool = False,
+) -> tuple[int, ...]:
     from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
     if include_num_layers_dimension:
         reason = trtllm_refusal()
         if reason is not None:
             raise NotImplementedError(reason)
-    return stride_order_for_layout(get_kv_cache_layout(),
-                                   include_num_layers_dimension)
+    return stride_order_for_layout(get_kv_cache_layout(), include_num_layers_dimension)
 
 
 PATCHES = [

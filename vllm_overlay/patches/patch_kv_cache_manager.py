@@ -37,26 +37,38 @@ def parked_deficits(manager) -> dict[str, int]:
 
 def _counters(manager) -> dict[str, int]:
     return manager.__dict__.setdefault(
-        "vllm_overlay_admission", {"admitted": 0, "deferred": 0})
+        "vllm_overlay_admission", {"admitted": 0, "deferred": 0}
+    )
 
 
-def allocate_slots(self, request, num_new_tokens: int,
-                   num_new_computed_tokens: int = 0,
-                   new_computed_blocks=None, num_lookahead_tokens: int = 0,
-                   delay_cache_blocks: bool = False,
-                   num_encoder_tokens: int = 0):
+def allocate_slots(
+    self,
+    request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks=None,
+    num_lookahead_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+    num_encoder_tokens: int = 0,
+):
     original = REGISTRY.original("KV-01")
     parked = parked_deficits(self)
     rid = request.request_id
     if delay_cache_blocks:
-        computed = (new_computed_blocks.blocks if new_computed_blocks
-                    is not None else self.empty_kv_cache_blocks.blocks)
-        prompt_tokens = min(request.num_tokens + num_lookahead_tokens,
-                            self.max_model_len)
+        computed = (
+            new_computed_blocks.blocks
+            if new_computed_blocks is not None
+            else self.empty_kv_cache_blocks.blocks
+        )
+        prompt_tokens = min(
+            request.num_tokens + num_lookahead_tokens, self.max_model_len
+        )
         need = self.coordinator.get_num_blocks_to_allocate(
-            request_id=rid, num_tokens=prompt_tokens,
+            request_id=rid,
+            num_tokens=prompt_tokens,
             new_computed_blocks=computed,
-            num_encoder_tokens=num_encoder_tokens)
+            num_encoder_tokens=num_encoder_tokens,
+        )
         promised = sum(v for k, v in parked.items() if k != rid)
         free = self.block_pool.get_num_free_blocks()
         if need + promised > free:
@@ -64,19 +76,32 @@ def allocate_slots(self, request, num_new_tokens: int,
             logger.debug(
                 "vllm-overlay: async KV load of %s deferred: its prompt needs "
                 "%d blocks, %d free, %d promised to %d parked requests",
-                rid, need, free, promised, len(parked))
+                rid,
+                need,
+                free,
+                promised,
+                len(parked),
+            )
             return None
-    blocks = original(self, request, num_new_tokens,
-                      num_new_computed_tokens, new_computed_blocks,
-                      num_lookahead_tokens, delay_cache_blocks,
-                      num_encoder_tokens)
+    blocks = original(
+        self,
+        request,
+        num_new_tokens,
+        num_new_computed_tokens,
+        new_computed_blocks,
+        num_lookahead_tokens,
+        delay_cache_blocks,
+        num_encoder_tokens,
+    )
     if blocks is None:
         return None
     if delay_cache_blocks:
         parked[rid] = self.coordinator.get_num_blocks_to_allocate(
-            request_id=rid, num_tokens=prompt_tokens,
+            request_id=rid,
+            num_tokens=prompt_tokens,
             new_computed_blocks=self.empty_kv_cache_blocks.blocks,
-            num_encoder_tokens=num_encoder_tokens)
+            num_encoder_tokens=num_encoder_tokens,
+        )
         _counters(self)["admitted"] += 1
     else:
         parked.pop(rid, None)  # its prefill has its blocks now
@@ -89,24 +114,37 @@ def free(self, request) -> None:
 
 
 _FEATURE = "async KV loads under KV pressure"
-_UPSTREAM = ("vLLM issue #45388 (scheduler stalls under KV pressure with an "
-             "offloading connector); fixed after 0.11.2, differently, by "
-             "PR #44560 (admission) and PR #57841 (queue order)")
+_UPSTREAM = (
+    "vLLM issue #45388 (scheduler stalls under KV pressure with an "
+    "offloading connector); fixed after 0.11.2, differently, by "
+    "PR #44560 (admission) and PR #57841 (queue order)"
+)
 
 PATCHES = [
-    Patch(id="KV-01", module=MODULE, target="KVCacheManager.allocate_slots",
-          new=allocate_slots, feature=_FEATURE,
-          why="Async-load requests hold blocks without running; admitting "
-          "them only for the loaded tokens lets them take every block and "
-          "stall the engine. Admit one only if its whole prompt fits next "
-          "to the blocks promised to the others.",
-          upstream=_UPSTREAM,
-          removal="Drop with KV-02/KV-03 when rebasing on a vLLM whose "
-          "scheduler has the upstream fix (test_kv_pressure_e2e passes "
-          "with VLLM_OVERLAY_SKIP_PATCHES=KV-01,KV-02,KV-03)."),
-    Patch(id="KV-02", module=MODULE, target="KVCacheManager.free",
-          new=free, feature=_FEATURE,
-          why="Forget a parked request's promised blocks when it is freed "
-          "(finished, aborted, or a failed load with nothing valid).",
-          upstream=_UPSTREAM, removal="With KV-01."),
+    Patch(
+        id="KV-01",
+        module=MODULE,
+        target="KVCacheManager.allocate_slots",
+        new=allocate_slots,
+        feature=_FEATURE,
+        why="Async-load requests hold blocks without running; admitting "
+        "them only for the loaded tokens lets them take every block and "
+        "stall the engine. Admit one only if its whole prompt fits next "
+        "to the blocks promised to the others.",
+        upstream=_UPSTREAM,
+        removal="Drop with KV-02/KV-03 when rebasing on a vLLM whose "
+        "scheduler has the upstream fix (test_kv_pressure_e2e passes "
+        "with VLLM_OVERLAY_SKIP_PATCHES=KV-01,KV-02,KV-03).",
+    ),
+    Patch(
+        id="KV-02",
+        module=MODULE,
+        target="KVCacheManager.free",
+        new=free,
+        feature=_FEATURE,
+        why="Forget a parked request's promised blocks when it is freed "
+        "(finished, aborted, or a failed load with nothing valid).",
+        upstream=_UPSTREAM,
+        removal="With KV-01.",
+    ),
 ]

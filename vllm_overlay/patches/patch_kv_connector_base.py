@@ -30,19 +30,35 @@ def register_cross_layers_kv_cache(self, kv_cache, attn_backend, layout):
     return
 
 
-_WHY = ("vLLM 0.11.2 has no way for a connector to ask for, or receive, one "
-        "KV buffer for all layers.")
-_UPSTREAM = ("vllm-project/vllm#27743 (v0.12.0; its register call has no "
-             "layout argument)")
-_REMOVAL = ("Drop when the base is vLLM >= 0.12.0; the layout argument moves "
-            "to a connector helper or an upstream follow-up.")
+_WHY = (
+    "vLLM 0.11.2 has no way for a connector to ask for, or receive, one "
+    "KV buffer for all layers."
+)
+_UPSTREAM = (
+    "vllm-project/vllm#27743 (v0.12.0; its register call has no layout argument)"
+)
+_REMOVAL = (
+    "Drop when the base is vLLM >= 0.12.0; the layout argument moves "
+    "to a connector helper or an upstream follow-up."
+)
 
 PATCHES = [
-    Patch(id="CL-07", module=MODULE,
-          target="KVConnectorBase_V1.prefer_cross_layer_blocks", new=False,
-          why=_WHY, upstream=_UPSTREAM, removal=_REMOVAL),
-    Patch(id="CL-08", module=MODULE,
-          target="KVConnectorBase_V1.register_cross_layers_kv_cache",
-          new=register_cross_layers_kv_cache,
-          why=_WHY, upstream=_UPSTREAM, removal=_REMOVAL),
+    Patch(
+        id="CL-07",
+        module=MODULE,
+        target="KVConnectorBase_V1.prefer_cross_layer_blocks",
+        new=False,
+        why=_WHY,
+        upstream=_UPSTREAM,
+        removal=_REMOVAL,
+    ),
+    Patch(
+        id="CL-08",
+        module=MODULE,
+        target="KVConnectorBase_V1.register_cross_layers_kv_cache",
+        new=register_cross_layers_kv_cache,
+        why=_WHY,
+        upstream=_UPSTREAM,
+        removal=_REMOVAL,
+    ),
 ]

@@ -13,8 +13,9 @@ MODULE = "vllm.v1.attention.backends.mla.common"
 
 
 @staticmethod
-def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
-                              ) -> tuple[int, ...]:
+def get_kv_cache_stride_order(
+    include_num_layers_dimension: bool = False,
+) -> tuple[int, ...]:
     return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
 
 

@@ -13,12 +13,13 @@ MODULE = "vllm.v1.attention.backends.mla.indexer"
 
 
 @staticmethod
-def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
-                              ) -> tuple[int, ...]:
+def get_kv_cache_stride_order(
+    include_num_layers_dimension: bool = False,
+) -> tuple[int, ...]:
     if include_num_layers_dimension:
         raise NotImplementedError(
-            "the DeepSeek-V3.2 indexer cache does not support cross-layer "
-            "blocks")
+            "the DeepSeek-V3.2 indexer cache does not support cross-layer blocks"
+        )
     return (0, 1, 2)
 
 

@@ -13,10 +13,11 @@ holds none".  Priority queues are left alone (their order is the policy).
 
 KV-04: a preempted request whose prefix is then loaded asynchronously must
 resume as a preempted request (upstream PR #31583).  Stock 0.11.2 sets it
-back to WAITING when the load lands, so it is scheduled as a *new* request: the worker rebuilds its
-state from the prompt alone and loses the tokens it had generated (wrong
-outputs from there on).  Here such a request keeps PREEMPTED; it is promoted
-(blocks cached, computed tokens set) and scheduled as resumed one step later.
+back to WAITING when the load lands, so it is scheduled as a *new* request:
+the worker rebuilds its state from the prompt alone and loses the tokens it
+had generated (wrong outputs from there on).  Here such a request keeps
+PREEMPTED; it is promoted (blocks cached, computed tokens set) and scheduled
+as resumed one step later.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ logger = logging.getLogger("vllm.overlay")
 def holds_blocks(manager, request_id: str) -> bool:
     """Whether a request holds KV blocks (a waiting one only does while it
     is parked on an async KV load)."""
-    return any(mgr.req_to_blocks.get(request_id)
-               for mgr in manager.coordinator.single_type_managers)
+    return any(
+        mgr.req_to_blocks.get(request_id)
+        for mgr in manager.coordinator.single_type_managers
+    )
 
 
 def parked_first(queue, is_parked) -> int:
@@ -53,17 +56,23 @@ def parked_first(queue, is_parked) -> int:
 def schedule(self):
     from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
-    if (self.connector is not None and self.waiting
-            and isinstance(self.waiting, FCFSRequestQueue)):
+    if (
+        self.connector is not None
+        and self.waiting
+        and isinstance(self.waiting, FCFSRequestQueue)
+    ):
         manager = self.kv_cache_manager
         moved = parked_first(
-            self.waiting, lambda r: holds_blocks(manager, r.request_id))
+            self.waiting, lambda r: holds_blocks(manager, r.request_id)
+        )
         if moved:
-            self.vllm_overlay_reordered = getattr(
-                self, "vllm_overlay_reordered", 0) + 1
-            logger.debug("vllm-overlay: %d requests holding KV blocks for "
-                         "an async load moved to the front of the waiting "
-                         "queue", moved)
+            self.vllm_overlay_reordered = getattr(self, "vllm_overlay_reordered", 0) + 1
+            logger.debug(
+                "vllm-overlay: %d requests holding KV blocks for "
+                "an async load moved to the front of the waiting "
+                "queue",
+                moved,
+            )
     return REGISTRY.original("KV-03")(self)
 
 
@@ -75,35 +84,45 @@ def _update_waiting_for_remote_kv(self, request) -> bool:
         # The caller would set WAITING (a new request); keep it a resumed
         # one.  Reported as not ready: the next step schedules it.
         request.status = RequestStatus.PREEMPTED
-        self.vllm_overlay_resumed_after_load = getattr(
-            self, "vllm_overlay_resumed_after_load", 0) + 1
-        logger.debug("vllm-overlay: %s resumes after its async KV load "
-                     "(%d output tokens kept)", request.request_id,
-                     request.num_output_tokens)
+        self.vllm_overlay_resumed_after_load = (
+            getattr(self, "vllm_overlay_resumed_after_load", 0) + 1
+        )
+        logger.debug(
+            "vllm-overlay: %s resumes after its async KV load (%d output tokens kept)",
+            request.request_id,
+            request.num_output_tokens,
+        )
         return False
     return ready
 
 
 PATCHES = [
-    Patch(id="KV-03", module=MODULE, target="Scheduler.schedule",
-          new=schedule, feature="async KV loads under KV pressure",
-          why="A request that holds no blocks and does not fit ends the "
-          "waiting-queue scan; parked async loads behind it, holding the "
-          "blocks, were never promoted (stall). Parked requests go first.",
-          upstream="vLLM PR #57841 (same invariant, enforced at admission); "
-          "PR #45406 (recovery when nothing runs)",
-          removal="With KV-01/KV-02, once the upstream scheduler keeps "
-          "block-holding requests ahead of the others."),
-    Patch(id="KV-04", module=MODULE,
-          target="Scheduler._update_waiting_for_remote_kv",
-          new=_update_waiting_for_remote_kv,
-          feature="async KV loads under KV pressure",
-          why="A preempted request resumed through an async KV load was "
-          "scheduled as a new request and lost its generated tokens on the "
-          "worker (wrong outputs); it now resumes as preempted.",
-          upstream="vLLM PR #31583 (same rule, in the schedule loop; after "
-          "0.11.2)",
-          removal="When the upstream scheduler schedules such requests as "
-          "resumed (test_kv_pressure_e2e passes with "
-          "VLLM_OVERLAY_SKIP_PATCHES=KV-04)."),
+    Patch(
+        id="KV-03",
+        module=MODULE,
+        target="Scheduler.schedule",
+        new=schedule,
+        feature="async KV loads under KV pressure",
+        why="A request that holds no blocks and does not fit ends the "
+        "waiting-queue scan; parked async loads behind it, holding the "
+        "blocks, were never promoted (stall). Parked requests go first.",
+        upstream="vLLM PR #57841 (same invariant, enforced at admission); "
+        "PR #45406 (recovery when nothing runs)",
+        removal="With KV-01/KV-02, once the upstream scheduler keeps "
+        "block-holding requests ahead of the others.",
+    ),
+    Patch(
+        id="KV-04",
+        module=MODULE,
+        target="Scheduler._update_waiting_for_remote_kv",
+        new=_update_waiting_for_remote_kv,
+        feature="async KV loads under KV pressure",
+        why="A preempted request resumed through an async KV load was "
+        "scheduled as a new request and lost its generated tokens on the "
+        "worker (wrong outputs); it now resumes as preempted.",
+        upstream="vLLM PR #31583 (same rule, in the schedule loop; after 0.11.2)",
+        removal="When the upstream scheduler schedules such requests as "
+        "resumed (test_kv_pressure_e2e passes with "
+        "VLLM_OVERLAY_SKIP_PATCHES=KV-04).",
+    ),
 ]

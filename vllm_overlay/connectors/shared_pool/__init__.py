@@ -40,13 +40,17 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import \
-    KVConnectorStats
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm_overlay.connectors.shared_pool.common import (PoolConnectorStats,
-                                                        namespace_tag,
-                                                        take_stats)
+from vllm_overlay.connectors.shared_pool.common import (
+    PoolConnectorStats,
+    namespace_tag,
+    take_stats,
+)
 from vllm_overlay.connectors.shared_pool.scheduler import SharedPoolScheduler
 from vllm_overlay.connectors.shared_pool.worker import SharedPoolWorker
 from vllm_overlay.core.pool.config import PoolConfig
@@ -58,8 +62,9 @@ logger = logging.getLogger("vllm.overlay")
 class SharedKVPoolConnector(KVConnectorBase_V1):
     prefer_cross_layer_blocks = True
 
-    def __init__(self, vllm_config, role: KVConnectorRole,
-                 kv_cache_config=None) -> None:
+    def __init__(
+        self, vllm_config, role: KVConnectorRole, kv_cache_config=None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = PoolConfig.from_dict(extra)
@@ -68,21 +73,24 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         # Only the worker side moves values: the scheduler's pool answers
         # lookups on the calling thread and starts no I/O threads.
         self.pool = KVPool(self.config, io_threads=not scheduler)
-        logger.info("vllm-overlay KV pool: %s%s, namespace %s (%s)",
-                    self.config.redacted_url,
-                    " (cluster)" if self.config.cluster else "",
-                    self.ns.hex()[:12], self.config.namespace)
+        logger.info(
+            "vllm-overlay KV pool: %s%s, namespace %s (%s)",
+            self.config.redacted_url,
+            " (cluster)" if self.config.cluster else "",
+            self.ns.hex()[:12],
+            self.config.namespace,
+        )
         self.connector_scheduler: SharedPoolScheduler | None = None
         self.connector_worker: SharedPoolWorker | None = None
         if scheduler:
             self.connector_scheduler = SharedPoolScheduler(
-                vllm_config, self.ns, self.pool)
+                vllm_config, self.ns, self.pool
+            )
             # One per engine: a pool that cannot be reached is reported now,
             # not on the first long prompt (background, never blocks).
             self.pool.probe()
         else:
-            self.connector_worker = SharedPoolWorker(
-                vllm_config, self.ns, self.pool)
+            self.connector_worker = SharedPoolWorker(vllm_config, self.ns, self.pool)
 
     # ==============================
     # Scheduler-side methods
@@ -90,13 +98,16 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.get_num_new_matched_tokens(
-            request, num_computed_tokens)
+            request, num_computed_tokens
+        )
 
-    def update_state_after_alloc(self, request, blocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request, blocks, num_external_tokens: int
+    ) -> None:
         assert self.connector_scheduler is not None
         self.connector_scheduler.update_state_after_alloc(
-            request, blocks, num_external_tokens)
+            request, blocks, num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         assert self.connector_scheduler is not None
@@ -113,8 +124,7 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
     # ==============================
     # Worker-side methods
     # ==============================
-    def register_cross_layers_kv_cache(self, kv_cache, attn_backend,
-                                       layout) -> None:
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend, layout) -> None:
         assert self.connector_worker is not None
         self.connector_worker.register_cross_layers_kv_cache(kv_cache, layout)
 
@@ -129,8 +139,9 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
@@ -152,8 +163,9 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         return take_stats(self.pool)
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict | None = None
-                                 ) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict | None = None
+    ) -> KVConnectorStats | None:
         return PoolConnectorStats(data=data or {})
 
     def shutdown(self) -> None:

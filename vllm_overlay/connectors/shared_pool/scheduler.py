@@ -39,7 +39,9 @@ class SharedPoolScheduler:
 
     def _chain(self, request) -> list[bytes]:
         from vllm.v1.core.kv_cache_utils import (
-            generate_block_hash_extra_keys, hash_block_tokens)
+            generate_block_hash_extra_keys,
+            hash_block_tokens,
+        )
 
         chain = self._chains.setdefault(request.request_id, [])
         tokens = request.all_token_ids
@@ -47,11 +49,13 @@ class SharedPoolScheduler:
         while (len(chain) + 1) * self.block_size <= len(tokens):
             start = len(chain) * self.block_size
             end = start + self.block_size
-            extra, mm_idx = generate_block_hash_extra_keys(request, start, end,
-                                                           mm_idx)
+            extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             parent = chain[-1] if chain else self._hash_fn(CHAIN_ROOT)
-            chain.append(bytes(hash_block_tokens(self._hash_fn, parent,
-                                                 tokens[start:end], extra)))
+            chain.append(
+                bytes(
+                    hash_block_tokens(self._hash_fn, parent, tokens[start:end], extra)
+                )
+            )
         return chain
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -74,16 +78,20 @@ class SharedPoolScheduler:
         if hits == 0:
             return 0, False
         for rank in range(self.world_size):
-            hits = min(hits, self.pool.count_hits(
-                [pool_key(self.ns, h, rank)
-                 for h in chain[start:start + hits]]))
+            hits = min(
+                hits,
+                self.pool.count_hits(
+                    [pool_key(self.ns, h, rank) for h in chain[start : start + hits]]
+                ),
+            )
             if hits == 0:
                 return 0, False
         self._lookups[request.request_id] = (start, hits)
         return hits * self.block_size, True
 
-    def update_state_after_alloc(self, request, blocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request, blocks, num_external_tokens: int
+    ) -> None:
         req_id = request.request_id
         self._requests[req_id] = request
         block_ids = list(blocks.get_block_ids()[0])
@@ -92,15 +100,15 @@ class SharedPoolScheduler:
             n = num_external_tokens // self.block_size
             assert n == hits, (n, hits)
             chain = self._chains[req_id]
-            self._loads[req_id] = (block_ids[-n:], chain[start:start + n])
+            self._loads[req_id] = (block_ids[-n:], chain[start : start + n])
             self._load_start[req_id] = start
         # Called again when a loaded request is scheduled: keep the mark.
-        self._next_store[req_id] = max(self._next_store.get(req_id, 0),
-                                       start + hits)
+        self._next_store[req_id] = max(self._next_store.get(req_id, 0), start + hits)
 
     def build_connector_meta(self, scheduler_output) -> PoolMetadata:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector \
-            import yield_req_data
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            yield_req_data,
+        )
 
         stores = {}
         for req_id, new_ids, preempted in yield_req_data(scheduler_output):
@@ -112,8 +120,10 @@ class SharedPoolScheduler:
             if new_ids:
                 ids.extend(new_ids[0])
             request = self._requests[req_id]
-            done = (request.num_computed_tokens
-                    + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+            done = (
+                request.num_computed_tokens
+                + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            )
             chain = self._chain(request)
             full = min(done // self.block_size, len(chain), len(ids))
             first = self._next_store.get(req_id, 0)
@@ -139,14 +149,22 @@ class SharedPoolScheduler:
                     self._refused[h] = now
                     if req_id in self._next_store:  # store it once recomputed
                         self._next_store[req_id] = min(
-                            self._next_store[req_id], start + i)
+                            self._next_store[req_id], start + i
+                        )
         if len(self._refused) > 100_000:
-            self._refused = {h: t for h, t in self._refused.items()
-                             if now - t < REFUSED_TTL_S}
+            self._refused = {
+                h: t for h, t in self._refused.items() if now - t < REFUSED_TTL_S
+            }
 
     def request_finished(self, request, block_ids):
         req_id = request.request_id
-        for table in (self._chains, self._requests, self._block_ids,
-                      self._next_store, self._lookups, self._load_start):
+        for table in (
+            self._chains,
+            self._requests,
+            self._block_ids,
+            self._next_store,
+            self._lookups,
+            self._load_start,
+        ):
             table.pop(req_id, None)
         return req_id in self._storing, None

@@ -11,8 +11,7 @@ import torch
 from vllm_overlay.connectors.shared_pool.common import PoolMetadata, pool_key
 from vllm_overlay.core.ops.block_copy import gather, scatter
 from vllm_overlay.core.pool import codec
-from vllm_overlay.integration.kv_tables import (cross_layer_table,
-                                                per_layer_table)
+from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -39,17 +38,26 @@ class SharedPoolWorker:
 
         self._table = table
         self._rank = get_world_group().rank if self.world_size > 1 else 0
-        logger.info("vllm-overlay KV pool: %s, one value of %d B per block "
-                    "(%d run(s) gathered), rank %d", what, table.block_bytes,
-                    table.runs_per_block, self._rank)
+        logger.info(
+            "vllm-overlay KV pool: %s, one value of %d B per block "
+            "(%d run(s) gathered), rank %d",
+            what,
+            table.block_bytes,
+            table.runs_per_block,
+            self._rank,
+        )
 
     def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
-        self._set_table(cross_layer_table(kv_cache, layout),
-                        f"cross-layer buffer ({layout.num_layers} layers)")
+        self._set_table(
+            cross_layer_table(kv_cache, layout),
+            f"cross-layer buffer ({layout.num_layers} layers)",
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._set_table(per_layer_table(self.vllm_config, kv_caches),
-                        f"{len(kv_caches)} per-layer caches")
+        self._set_table(
+            per_layer_table(self.vllm_config, kv_caches),
+            f"{len(kv_caches)} per-layer caches",
+        )
 
     def _method(self) -> str:
         return "triton" if self._table.device.type == "cuda" else "dma"
@@ -64,9 +72,12 @@ class SharedPoolWorker:
         network write happens in the background."""
         for req_id, (block_ids, chain) in meta.stores.items():
             ids = torch.tensor(block_ids, dtype=torch.int64)
-            staging = torch.empty(len(block_ids), self._table.block_bytes,
-                                  dtype=torch.uint8,
-                                  pin_memory=self._table.device.type == "cuda")
+            staging = torch.empty(
+                len(block_ids),
+                self._table.block_bytes,
+                dtype=torch.uint8,
+                pin_memory=self._table.device.type == "cuda",
+            )
             event = None
             if self._table.device.type == "cuda":
                 stream = torch.cuda.current_stream()
@@ -75,8 +86,7 @@ class SharedPoolWorker:
                 event.record(stream)
             else:
                 gather(self._table, ids, staging, "dma")
-            self._pending_copies.setdefault(req_id, []).append(
-                (event, staging, chain))
+            self._pending_copies.setdefault(req_id, []).append((event, staging, chain))
             self._stored_reqs.add(req_id)
 
     def _flush_copies(self) -> None:
@@ -89,8 +99,7 @@ class SharedPoolWorker:
                 items = []
                 for row, h in zip(staging, chain):
                     key = self._key(h)
-                    items.append((key, codec.encode(self.ns, key,
-                                                    row.numpy().data)))
+                    items.append((key, codec.encode(self.ns, key, row.numpy().data)))
                 self.pool.submit_store(items)
             if keep:
                 self._pending_copies[req_id] = keep
@@ -106,16 +115,19 @@ class SharedPoolWorker:
                 try:
                     if value is None:
                         raise codec.BadValue("missing")
-                    payload = codec.decode(self.ns, self._key(h), value,
-                                           self._table.block_bytes)
+                    payload = codec.decode(
+                        self.ns, self._key(h), value, self._table.block_bytes
+                    )
                 except codec.BadValue as exc:
                     failed += 1
                     self._load_errors.add(block_id)
                     if value is not None:
                         refused.append(self._key(h))
-                        logger.warning("vllm-overlay KV pool: block %s "
-                                       "refused (%s); recomputing",
-                                       h.hex()[:12], exc)
+                        logger.warning(
+                            "vllm-overlay KV pool: block %s refused (%s); recomputing",
+                            h.hex()[:12],
+                            exc,
+                        )
                     continue
                 good_ids.append(block_id)
                 good_rows.append(torch.frombuffer(payload, dtype=torch.uint8))
@@ -123,8 +135,12 @@ class SharedPoolWorker:
                 packed = torch.stack(good_rows)
                 if self._table.device.type == "cuda":
                     packed = packed.pin_memory()
-                scatter(self._table, torch.tensor(good_ids, dtype=torch.int64),
-                        packed, self._method())
+                scatter(
+                    self._table,
+                    torch.tensor(good_ids, dtype=torch.int64),
+                    packed,
+                    self._method(),
+                )
                 if self._table.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
             self.pool.record_load(len(good_ids), failed)
@@ -138,8 +154,7 @@ class SharedPoolWorker:
         finished_recving = self._finish_loads()
         finished_sending = set()
         for req_id in finished_req_ids:
-            if req_id in self._stored_reqs and \
-                    req_id not in self._pending_copies:
+            if req_id in self._stored_reqs and req_id not in self._pending_copies:
                 self._stored_reqs.discard(req_id)
                 finished_sending.add(req_id)
             elif req_id in self._stored_reqs:

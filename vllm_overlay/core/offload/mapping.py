@@ -17,25 +17,29 @@ import numpy as np
 def expand(block_ids: np.ndarray, factor: int) -> np.ndarray:
     """[0, 1, 3] with factor 4 -> [0..3, 4..7, 12..15]."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    return (ids[:, None] * factor + np.arange(factor, dtype=np.int64)
-            ).reshape(-1)
+    return (ids[:, None] * factor + np.arange(factor, dtype=np.int64)).reshape(-1)
 
 
-def pair_sub_blocks(src_ids, src_factor: int, dst_ids, dst_factor: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def pair_sub_blocks(
+    src_ids, src_factor: int, dst_ids, dst_factor: int
+) -> tuple[np.ndarray, np.ndarray]:
     src = expand(src_ids, src_factor)
     dst = expand(dst_ids, dst_factor)
     extra = len(src) - len(dst)
     if extra > 0:
         if extra >= src_factor:
-            raise ValueError(f"transfer of {len(src_ids)}x{src_factor} "
-                             f"source sub-blocks into {len(dst)}: more than "
-                             "one block too many")
+            raise ValueError(
+                f"transfer of {len(src_ids)}x{src_factor} "
+                f"source sub-blocks into {len(dst)}: more than "
+                "one block too many"
+            )
         src = src[extra:]
     elif extra < 0:
         if -extra >= dst_factor:
-            raise ValueError(f"transfer of {len(src)} sub-blocks into "
-                             f"{len(dst_ids)}x{dst_factor}: more than one "
-                             "block too many")
+            raise ValueError(
+                f"transfer of {len(src)} sub-blocks into "
+                f"{len(dst_ids)}x{dst_factor}: more than one "
+                "block too many"
+            )
         dst = dst[-extra:]
     return src, dst

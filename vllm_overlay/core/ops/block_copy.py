@@ -52,13 +52,23 @@ def segments_of(t: torch.Tensor, blocks_dim: int) -> list[Segment]:
     es = t.element_size()
     one_block = t.select(blocks_dim, 0)
     if _is_dense(one_block):
-        return [Segment(t.untyped_storage(), t.storage_offset() * es,
-                        t.stride(blocks_dim) * es, one_block.numel() * es)]
-    split = max((d for d in range(t.dim()) if d != blocks_dim),
-                key=lambda d: t.stride(d))
+        return [
+            Segment(
+                t.untyped_storage(),
+                t.storage_offset() * es,
+                t.stride(blocks_dim) * es,
+                one_block.numel() * es,
+            )
+        ]
+    split = max(
+        (d for d in range(t.dim()) if d != blocks_dim), key=lambda d: t.stride(d)
+    )
     inner = blocks_dim - (split < blocks_dim)
-    return [seg for j in range(t.shape[split])
-            for seg in segments_of(t.select(split, j), inner)]
+    return [
+        seg
+        for j in range(t.shape[split])
+        for seg in segments_of(t.select(split, j), inner)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,8 @@ class BlockTable:
     # Triton segment tables already on ``device``, by word size (no
     # host-to-device copy per transfer); filled by ``triton_copy``.
     _device_meta: dict = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False)
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -79,19 +90,21 @@ class BlockTable:
         for seg in self.segments:
             last = seg.offset + (self.num_blocks - 1) * seg.stride + seg.length
             if seg.offset < 0 or seg.length <= 0 or last > seg.storage.nbytes():
-                raise ValueError(f"segment {seg.offset}+{seg.stride}*b "
-                                 f"({seg.length} B) leaves its storage of "
-                                 f"{seg.storage.nbytes()} B")
+                raise ValueError(
+                    f"segment {seg.offset}+{seg.stride}*b "
+                    f"({seg.length} B) leaves its storage of "
+                    f"{seg.storage.nbytes()} B"
+                )
 
     @classmethod
-    def from_tensors(cls, tensors: list[torch.Tensor],
-                     blocks_dim: int) -> "BlockTable":
+    def from_tensors(cls, tensors: list[torch.Tensor], blocks_dim: int) -> BlockTable:
         """Per-layer caches (or one cross-layer buffer, ``blocks_dim=0``)."""
         num_blocks = {t.shape[blocks_dim] for t in tensors}
         devices = {t.device for t in tensors}
         if len(num_blocks) != 1 or len(devices) != 1:
-            raise ValueError(f"tensors differ in block count {num_blocks} or "
-                             f"device {devices}")
+            raise ValueError(
+                f"tensors differ in block count {num_blocks} or device {devices}"
+            )
         segments = tuple(s for t in tensors for s in segments_of(t, blocks_dim))
         return cls(segments, num_blocks.pop(), devices.pop())
 
@@ -103,37 +116,48 @@ class BlockTable:
     def runs_per_block(self) -> int:
         return len(self.segments)
 
-    def coarsen(self, factor: int) -> "BlockTable":
+    def coarsen(self, factor: int) -> BlockTable:
         """The same memory seen in blocks of ``factor`` consecutive blocks
         (a cache block made of several kernel blocks)."""
         if factor == 1:
             return self
         if self.num_blocks % factor:
-            raise ValueError(f"{self.num_blocks} blocks are not a multiple "
-                             f"of {factor}")
+            raise ValueError(f"{self.num_blocks} blocks are not a multiple of {factor}")
         segments = []
         for seg in self.segments:
             if seg.stride == seg.length:  # dense: one longer run
-                segments.append(dataclasses.replace(
-                    seg, stride=seg.stride * factor,
-                    length=seg.length * factor))
+                segments.append(
+                    dataclasses.replace(
+                        seg, stride=seg.stride * factor, length=seg.length * factor
+                    )
+                )
             else:
-                segments += [dataclasses.replace(
-                    seg, offset=seg.offset + j * seg.stride,
-                    stride=seg.stride * factor) for j in range(factor)]
-        return BlockTable(tuple(segments), self.num_blocks // factor,
-                          self.device)
+                segments += [
+                    dataclasses.replace(
+                        seg,
+                        offset=seg.offset + j * seg.stride,
+                        stride=seg.stride * factor,
+                    )
+                    for j in range(factor)
+                ]
+        return BlockTable(tuple(segments), self.num_blocks // factor, self.device)
 
     def packed_rows(self, packed: torch.Tensor) -> int:
         if not packed.is_contiguous() or packed.nbytes % self.block_bytes:
-            raise ValueError(f"packed buffer must be contiguous rows of "
-                             f"{self.block_bytes} B, got "
-                             f"{tuple(packed.shape)} {packed.dtype}")
+            raise ValueError(
+                f"packed buffer must be contiguous rows of "
+                f"{self.block_bytes} B, got "
+                f"{tuple(packed.shape)} {packed.dtype}"
+            )
         return packed.nbytes // self.block_bytes
 
-    def check(self, block_ids: torch.Tensor, packed: torch.Tensor,
-              packed_ids: torch.Tensor | None, to_packed: bool
-              ) -> torch.Tensor:
+    def check(
+        self,
+        block_ids: torch.Tensor,
+        packed: torch.Tensor,
+        packed_ids: torch.Tensor | None,
+        to_packed: bool,
+    ) -> torch.Tensor:
         """Validate a transfer; returns the packed ids (default 0..n-1)."""
         for name, ids in (("block_ids", block_ids), ("packed_ids", packed_ids)):
             if ids is not None and (ids.dtype != torch.int64 or ids.dim() != 1):
@@ -142,13 +166,13 @@ class BlockTable:
         rows = self.packed_rows(packed)
         if packed_ids is None:
             if rows != n:
-                raise ValueError(f"packed buffer must be contiguous with "
-                                 f"{n} x {self.block_bytes} B, got {rows} rows")
-            packed_ids = torch.arange(n, dtype=torch.int64,
-                                      device=block_ids.device)
+                raise ValueError(
+                    f"packed buffer must be contiguous with "
+                    f"{n} x {self.block_bytes} B, got {rows} rows"
+                )
+            packed_ids = torch.arange(n, dtype=torch.int64, device=block_ids.device)
         elif packed_ids.numel() != n:
-            raise ValueError(f"{n} block ids but {packed_ids.numel()} packed "
-                             "ids")
+            raise ValueError(f"{n} block ids but {packed_ids.numel()} packed ids")
         if n and not block_ids.is_cuda and not packed_ids.is_cuda:
             # Host ids (the usual case): plain Python is cheapest.
             b, p = block_ids.tolist(), packed_ids.tolist()
@@ -158,24 +182,32 @@ class BlockTable:
             # One device sync at most (ids may live on the GPU).
             dst = (packed_ids if to_packed else block_ids).sort().values
             dev = block_ids.device
-            b_lo, b_hi, p_lo, p_hi, dup = torch.stack([
-                block_ids.min(), block_ids.max(), packed_ids.min().to(dev),
-                packed_ids.max().to(dev),
-                (dst[1:] == dst[:-1]).any().to(dev, torch.int64)]).tolist()
+            b_lo, b_hi, p_lo, p_hi, dup = torch.stack(
+                [
+                    block_ids.min(),
+                    block_ids.max(),
+                    packed_ids.min().to(dev),
+                    packed_ids.max().to(dev),
+                    (dst[1:] == dst[:-1]).any().to(dev, torch.int64),
+                ]
+            ).tolist()
         if n:
             for name, lo, hi, limit in (
-                    ("block", b_lo, b_hi, self.num_blocks),
-                    ("packed", p_lo, p_hi, rows)):
+                ("block", b_lo, b_hi, self.num_blocks),
+                ("packed", p_lo, p_hi, rows),
+            ):
                 if lo < 0 or hi >= limit:
-                    raise IndexError(f"{name} ids must be in [0, {limit}), "
-                                     f"got [{lo}, {hi}]")
+                    raise IndexError(
+                        f"{name} ids must be in [0, {limit}), got [{lo}, {hi}]"
+                    )
             if dup:
                 raise ValueError("duplicate destination block ids")
         return packed_ids
 
 
-def _storage_as(storage: torch.UntypedStorage, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
+def _storage_as(
+    storage: torch.UntypedStorage, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     word = torch.empty((), dtype=dtype).element_size()
     out = torch.empty(0, dtype=dtype, device=device)
     return out.set_(storage, 0, (storage.nbytes() // word,), (1,))
@@ -184,19 +216,21 @@ def _storage_as(storage: torch.UntypedStorage, dtype: torch.dtype,
 def _runs(table: BlockTable, seg: Segment) -> torch.Tensor:
     """uint8 view [num_blocks, length] of one segment."""
     base = _storage_as(seg.storage, torch.uint8, table.device)
-    return base.as_strided((table.num_blocks, seg.length), (seg.stride, 1),
-                           seg.offset)
+    return base.as_strided((table.num_blocks, seg.length), (seg.stride, 1), seg.offset)
 
 
-def _packed_bytes(packed: torch.Tensor, n: int, block_bytes: int
-                  ) -> torch.Tensor:
+def _packed_bytes(packed: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
     return packed.view(torch.uint8).view(n, block_bytes)
 
 
 # -- reference (plain torch) ---------------------------------------------------
-def reference_copy(table: BlockTable, block_ids: torch.Tensor,
-                   packed: torch.Tensor, to_packed: bool,
-                   packed_ids: torch.Tensor | None = None) -> int:
+def reference_copy(
+    table: BlockTable,
+    block_ids: torch.Tensor,
+    packed: torch.Tensor,
+    to_packed: bool,
+    packed_ids: torch.Tensor | None = None,
+) -> int:
     packed_ids = table.check(block_ids, packed, packed_ids, to_packed)
     rows = _packed_bytes(packed, table.packed_rows(packed), table.block_bytes)
     cache_ids = block_ids.to(table.device)
@@ -205,33 +239,36 @@ def reference_copy(table: BlockTable, block_ids: torch.Tensor,
     for seg in table.segments:
         runs, cols = _runs(table, seg), slice(start, start + seg.length)
         if to_packed:
-            rows[row_ids, cols] = runs.index_select(0, cache_ids).to(
-                packed.device)
+            rows[row_ids, cols] = runs.index_select(0, cache_ids).to(packed.device)
         else:
-            runs.index_copy_(0, cache_ids,
-                             rows[row_ids, cols].to(table.device))
+            runs.index_copy_(0, cache_ids, rows[row_ids, cols].to(table.device))
         start += seg.length
     return len(table.segments)
 
 
 # -- DMA: one copy per contiguous run ---------------------------------------------
-def _merged_runs(block_ids: list[int], packed_ids: list[int]
-                 ) -> list[tuple[int, int, int]]:
+def _merged_runs(
+    block_ids: list[int], packed_ids: list[int]
+) -> list[tuple[int, int, int]]:
     """(first packed id, first block id, count) for runs where both ids
     are consecutive."""
     runs: list[tuple[int, int, int]] = []
     for p, b in zip(packed_ids, block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == b and \
-                runs[-1][0] + runs[-1][2] == p:
+        if runs and runs[-1][1] + runs[-1][2] == b and runs[-1][0] + runs[-1][2] == p:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((p, b, 1))
     return runs
 
 
-def dma_copy(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
-             to_packed: bool, packed_ids: torch.Tensor | None = None,
-             non_blocking: bool = True) -> int:
+def dma_copy(
+    table: BlockTable,
+    block_ids: torch.Tensor,
+    packed: torch.Tensor,
+    to_packed: bool,
+    packed_ids: torch.Tensor | None = None,
+    non_blocking: bool = True,
+) -> int:
     """Copy with ``Tensor.copy_`` per run; returns the number of copies.
 
     With one segment whose stride equals its length (a cross-layer buffer),
@@ -243,11 +280,12 @@ def dma_copy(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
     for seg in table.segments:
         runs = _runs(table, seg)
         merge = seg.stride == seg.length and len(table.segments) == 1
-        spans = (_merged_runs(ids, pids) if merge
-                 else [(p, b, 1) for p, b in zip(pids, ids)])
+        spans = (
+            _merged_runs(ids, pids) if merge else [(p, b, 1) for p, b in zip(pids, ids)]
+        )
         for p, b, count in spans:
-            cache = runs[b:b + count]
-            host = rows[p:p + count, start:start + seg.length]
+            cache = runs[b : b + count]
+            host = rows[p : p + count, start : start + seg.length]
             if to_packed:
                 host.copy_(cache, non_blocking=non_blocking)
             else:
@@ -261,8 +299,9 @@ def dma_copy(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
 _VEC_BYTES = 16  # one 128-bit access
 
 
-def _word_size(table: BlockTable, packed: torch.Tensor,
-               ref: torch.UntypedStorage) -> tuple[int, int]:
+def _word_size(
+    table: BlockTable, packed: torch.Tensor, ref: torch.UntypedStorage
+) -> tuple[int, int]:
     """(word bytes, words per access): int32 x 4 (128-bit accesses) when
     every address, offset, stride and length is a multiple of 16 bytes;
     else the widest word that divides them all, one word per access."""
@@ -271,8 +310,11 @@ def _word_size(table: BlockTable, packed: torch.Tensor,
         ref_ptr = ref.data_ptr()
         values = [ref_ptr, table.block_bytes]
         for seg in table.segments:
-            values += [seg.storage.data_ptr() + seg.offset - ref_ptr,
-                       seg.stride, seg.length]
+            values += [
+                seg.storage.data_ptr() + seg.offset - ref_ptr,
+                seg.stride,
+                seg.length,
+            ]
         table_gcd = table._device_meta["gcd"] = math.gcd(*values)
     gcd = math.gcd(table_gcd, packed.data_ptr())
     if gcd % _VEC_BYTES == 0:
@@ -280,8 +322,7 @@ def _word_size(table: BlockTable, packed: torch.Tensor,
     return next(w for w in (8, 4, 2, 1) if gcd % w == 0), 1
 
 
-def _device_meta(table: BlockTable, word: int, ref: torch.UntypedStorage
-                 ) -> tuple:
+def _device_meta(table: BlockTable, word: int, ref: torch.UntypedStorage) -> tuple:
     """The cache viewed as words, the segment table in words (four int64
     rows on the table's device: source offset, stride, offset in the packed
     block, length) and the longest length; built and copied to the device
@@ -290,21 +331,34 @@ def _device_meta(table: BlockTable, word: int, ref: torch.UntypedStorage
     if cached is None:
         lengths = [s.length // word for s in table.segments]
         meta = torch.tensor(
-            [[(s.storage.data_ptr() + s.offset - ref.data_ptr()) // word
-              for s in table.segments],
-             [s.stride // word for s in table.segments],
-             [sum(lengths[:i]) for i in range(len(lengths))],
-             lengths], dtype=torch.int64).to(table.device)
-        cached = (_storage_as(ref, _WORDS[word], table.device),
-                  tuple(meta), max(lengths))
+            [
+                [
+                    (s.storage.data_ptr() + s.offset - ref.data_ptr()) // word
+                    for s in table.segments
+                ],
+                [s.stride // word for s in table.segments],
+                [sum(lengths[:i]) for i in range(len(lengths))],
+                lengths,
+            ],
+            dtype=torch.int64,
+        ).to(table.device)
+        cached = (
+            _storage_as(ref, _WORDS[word], table.device),
+            tuple(meta),
+            max(lengths),
+        )
         table._device_meta[word] = cached
     return cached
 
 
-def triton_copy(table: BlockTable, block_ids: torch.Tensor,
-                packed: torch.Tensor, to_packed: bool,
-                packed_ids: torch.Tensor | None = None,
-                chunk_words: int = 1024) -> int:
+def triton_copy(
+    table: BlockTable,
+    block_ids: torch.Tensor,
+    packed: torch.Tensor,
+    to_packed: bool,
+    packed_ids: torch.Tensor | None = None,
+    chunk_words: int = 1024,
+) -> int:
     """One kernel launch moves every run of every block.
 
     On a GPU ``packed`` may be pinned host memory (written over PCIe by the
@@ -332,26 +386,40 @@ def triton_copy(table: BlockTable, block_ids: torch.Tensor,
     chunk = max(chunk, vec)
     grid = (n, len(table.segments), -(-longest // chunk))
     copy_blocks_kernel[grid](
-        ref_words, packed.view(_WORDS[word]), block_ids, packed_ids, *meta,
-        table.block_bytes // word, TO_PACKED=to_packed, CHUNK=chunk,
-        VEC=vec)
+        ref_words,
+        packed.view(_WORDS[word]),
+        block_ids,
+        packed_ids,
+        *meta,
+        table.block_bytes // word,
+        TO_PACKED=to_packed,
+        CHUNK=chunk,
+        VEC=vec,
+    )
     return 1
 
 
-COPY_METHODS = {"reference": reference_copy, "dma": dma_copy,
-                "triton": triton_copy}
+COPY_METHODS = {"reference": reference_copy, "dma": dma_copy, "triton": triton_copy}
 
 
-def gather(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
-           method: str = "triton", packed_ids: torch.Tensor | None = None
-           ) -> int:
+def gather(
+    table: BlockTable,
+    block_ids: torch.Tensor,
+    packed: torch.Tensor,
+    method: str = "triton",
+    packed_ids: torch.Tensor | None = None,
+) -> int:
     """Cache blocks ``block_ids`` -> packed rows ``packed_ids`` (default
     0..n-1).  Returns the number of copy calls / launches."""
     return COPY_METHODS[method](table, block_ids, packed, True, packed_ids)
 
 
-def scatter(table: BlockTable, block_ids: torch.Tensor, packed: torch.Tensor,
-            method: str = "triton", packed_ids: torch.Tensor | None = None
-            ) -> int:
+def scatter(
+    table: BlockTable,
+    block_ids: torch.Tensor,
+    packed: torch.Tensor,
+    method: str = "triton",
+    packed_ids: torch.Tensor | None = None,
+) -> int:
     """Packed rows -> cache blocks ``block_ids`` (which must be unique)."""
     return COPY_METHODS[method](table, block_ids, packed, False, packed_ids)

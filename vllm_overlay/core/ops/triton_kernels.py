@@ -44,15 +44,18 @@ def copy_blocks_kernel(
     start = c.to(tl.int64) * CHUNK
     if start < seg_len:
         block = tl.load(block_ids_ptr + i)
-        cache_off = (tl.load(seg_src_ptr + s)
-                     + block * tl.load(seg_stride_ptr + s) + start)
-        packed_off = (tl.load(packed_ids_ptr + i) * packed_block_words
-                      + tl.load(seg_dst_ptr + s) + start)
+        cache_off = (
+            tl.load(seg_src_ptr + s) + block * tl.load(seg_stride_ptr + s) + start
+        )
+        packed_off = (
+            tl.load(packed_ids_ptr + i) * packed_block_words
+            + tl.load(seg_dst_ptr + s)
+            + start
+        )
         if VEC > 1:
             cache_off = tl.multiple_of(cache_off, VEC)
             packed_off = tl.multiple_of(packed_off, VEC)
-        offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, CHUNK), CHUNK),
-                                 CHUNK)
+        offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, CHUNK), CHUNK), CHUNK)
         mask = offs < seg_len - start
         if TO_PACKED:
             words = tl.load(cache_ptr + cache_off + offs, mask=mask)

@@ -30,16 +30,18 @@ def key_tag(key: bytes) -> bytes:
 
 def encode_header(namespace_tag: bytes, key: bytes, payload) -> bytes:
     view = memoryview(payload).cast("B")
-    return _HEADER.pack(MAGIC, VERSION, 0, namespace_tag, key_tag(key),
-                        view.nbytes, zlib.crc32(view), 0)
+    return _HEADER.pack(
+        MAGIC, VERSION, 0, namespace_tag, key_tag(key), view.nbytes, zlib.crc32(view), 0
+    )
 
 
 def encode(namespace_tag: bytes, key: bytes, payload) -> bytes:
     return encode_header(namespace_tag, key, payload) + bytes(payload)
 
 
-def decode(namespace_tag: bytes, key: bytes, value: bytes,
-           expected_length: int) -> memoryview:
+def decode(
+    namespace_tag: bytes, key: bytes, value: bytes, expected_length: int
+) -> memoryview:
     """The payload of ``value``, checked; raises BadValue."""
     if len(value) < HEADER_BYTES:
         raise BadValue(f"value of {len(value)} B is shorter than the header")
@@ -53,8 +55,10 @@ def decode(namespace_tag: bytes, key: bytes, value: bytes,
     if ktag != key_tag(key):
         raise BadValue("value was stored under another key")
     if length != expected_length or len(value) - HEADER_BYTES != length:
-        raise BadValue(f"payload of {len(value) - HEADER_BYTES} B, header "
-                       f"says {length} B, layout needs {expected_length} B")
+        raise BadValue(
+            f"payload of {len(value) - HEADER_BYTES} B, header "
+            f"says {length} B, layout needs {expected_length} B"
+        )
     payload = memoryview(value)[HEADER_BYTES:]
     if zlib.crc32(payload) != crc:
         raise BadValue("checksum mismatch")

@@ -51,18 +51,21 @@ class PoolStats:
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out["gb_per_s_in"] = (self.bytes_in / self.io_seconds_in / 1e9
-                              if self.io_seconds_in else 0.0)
-        out["gb_per_s_out"] = (self.bytes_out / self.io_seconds_out / 1e9
-                               if self.io_seconds_out else 0.0)
+        out["gb_per_s_in"] = (
+            self.bytes_in / self.io_seconds_in / 1e9 if self.io_seconds_in else 0.0
+        )
+        out["gb_per_s_out"] = (
+            self.bytes_out / self.io_seconds_out / 1e9 if self.io_seconds_out else 0.0
+        )
         return out
 
 
 def make_client(config: PoolConfig):
     import redis
 
-    kwargs = dict(socket_connect_timeout=config.connect_timeout_s,
-                  socket_timeout=config.timeout_s)
+    kwargs = dict(
+        socket_connect_timeout=config.connect_timeout_s, socket_timeout=config.timeout_s
+    )
     if config.tls_ca_file:
         kwargs["ssl_ca_certs"] = config.tls_ca_file
     if config.cluster:
@@ -90,19 +93,33 @@ class KVPool:
         self._store_q: queue.Queue = queue.Queue()
         self._load_q: queue.Queue = queue.Queue()
         self._client = None  # scheduler-side calls (count_hits)
-        self._threads = [
-            threading.Thread(target=self._run, args=(self._store_q, self._store),
-                             name="vllm-overlay-pool-store", daemon=True),
-            threading.Thread(target=self._run, args=(self._load_q, self._load),
-                             name="vllm-overlay-pool-load", daemon=True),
-        ] if io_threads else []
+        self._threads = (
+            [
+                threading.Thread(
+                    target=self._run,
+                    args=(self._store_q, self._store),
+                    name="vllm-overlay-pool-store",
+                    daemon=True,
+                ),
+                threading.Thread(
+                    target=self._run,
+                    args=(self._load_q, self._load),
+                    name="vllm-overlay-pool-load",
+                    daemon=True,
+                ),
+            ]
+            if io_threads
+            else []
+        )
         for thread in self._threads:
             thread.start()
 
     def _need_io_threads(self) -> None:
         if not self._threads:
-            raise RuntimeError("this KVPool was created for lookups only "
-                               "(io_threads=False): it cannot store or load")
+            raise RuntimeError(
+                "this KVPool was created for lookups only "
+                "(io_threads=False): it cannot store or load"
+            )
 
     # -- health -----------------------------------------------------------
     def is_down(self) -> bool:
@@ -113,33 +130,38 @@ class KVPool:
 
         with self._lock:
             self.stats.errors += 1
-            unreachable = isinstance(exc, (redis.ConnectionError,
-                                           redis.TimeoutError))
+            unreachable = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
             if unreachable:
                 self._down_until = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2,
-                                    self.config.max_retry_backoff_s)
+                self._backoff = min(self._backoff * 2, self.config.max_retry_backoff_s)
             now = time.monotonic()
             if now - self._last_warning >= 30.0:
                 self._last_warning = now
                 logger.warning(
                     "vllm-overlay KV pool %s: %s failed (%s: %s)%s; requests "
-                    "recompute instead", self.config.redacted_url, what,
-                    type(exc).__name__, exc,
+                    "recompute instead",
+                    self.config.redacted_url,
+                    what,
+                    type(exc).__name__,
+                    exc,
                     f", retrying in {self._down_until - now:.0f}s"
-                    if unreachable else "")
+                    if unreachable
+                    else "",
+                )
 
     def _ok(self) -> None:
         if self._backoff != self.config.retry_backoff_s:
             with self._lock:
                 self._backoff = self.config.retry_backoff_s
-            logger.info("vllm-overlay KV pool %s is reachable again",
-                        self.config.redacted_url)
+            logger.info(
+                "vllm-overlay KV pool %s is reachable again", self.config.redacted_url
+            )
 
     def probe(self) -> threading.Thread:
         """Check once, in the background, that the pool answers; log one
         warning naming the (redacted) URL if it does not.  Bounded by
         ``connect_timeout_s`` and ``timeout_s``; never blocks the caller."""
+
         def run() -> None:
             try:
                 client = make_client(self.config)
@@ -155,10 +177,14 @@ class KVPool:
                 logger.warning(
                     "vllm-overlay KV pool %s cannot be reached at startup "
                     "(%s: %s); requests recompute until it can",
-                    self.config.redacted_url, type(exc).__name__, detail)
+                    self.config.redacted_url,
+                    type(exc).__name__,
+                    detail,
+                )
 
-        thread = threading.Thread(target=run, name="vllm-overlay-pool-probe",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=run, name="vllm-overlay-pool-probe", daemon=True
+        )
         thread.start()
         return thread
 
@@ -197,8 +223,7 @@ class KVPool:
         self._need_io_threads()
         size = sum(len(v) for _, v in items)
         with self._lock:
-            if self.is_down() or self._inflight + size > \
-                    self.config.max_inflight_bytes:
+            if self.is_down() or self._inflight + size > self.config.max_inflight_bytes:
                 self.stats.dropped_stores += len(items)
                 return False
             self._inflight += size
@@ -335,9 +360,11 @@ class KVPool:
         with self._lock:
             stats, self.stats = self.stats, PoolStats()
             for field in dataclasses.fields(PoolStats):
-                setattr(self.totals, field.name,
-                        getattr(self.totals, field.name)
-                        + getattr(stats, field.name))
+                setattr(
+                    self.totals,
+                    field.name,
+                    getattr(self.totals, field.name) + getattr(stats, field.name),
+                )
         return stats
 
     def cumulative(self) -> dict:
