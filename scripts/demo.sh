@@ -9,7 +9,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
-# torch 2.8.0's AVX-512 CPU kernels corrupt the heap in vLLM 0.11.2 CPU runs
-# on some AVX-512 machines; AVX2 kernels do not (see tox.ini).
-export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2}
+# vLLM 0.11.2's torch.compiled CPU sampler corrupts the heap on some AVX-512
+# machines; eager sampling does not (see tox.ini).
+export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 exec "${OVERLAY_VENV:-$root/.venv}/bin/python" -m vllm_overlay demo "$@"
