@@ -19,31 +19,16 @@ import json
 import os
 import sys
 
+from prompt_words import WORDS
+
 from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
 
 def prompts() -> list[str]:
     """Prompts of different lengths: within one block up to several blocks."""
-    words = [
-        "key",
-        "value",
-        "block",
-        "cache",
-        "layer",
-        "token",
-        "prefix",
-        "north",
-        "south",
-        "river",
-        "stone",
-        "memory",
-        "page",
-        "copy",
-        "seven",
-    ]
     out = ["The cache", "One two three four five six seven eight nine ten"]
     for n in (150, 333, 520):
-        out.append(" ".join(words[(i * 7) % len(words)] for i in range(n)))
+        out.append(" ".join(WORDS[(i * 7) % len(WORDS)] for i in range(n)))
     return out
 
 

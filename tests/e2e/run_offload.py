@@ -24,25 +24,9 @@ import json
 import os
 import sys
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from prompt_words import WORDS
 
-WORDS = [
-    "key",
-    "value",
-    "block",
-    "cache",
-    "layer",
-    "token",
-    "prefix",
-    "north",
-    "south",
-    "river",
-    "stone",
-    "memory",
-    "page",
-    "copy",
-    "seven",
-]
+from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
 
 def prompt(n_words: int, shift: int) -> str:

@@ -22,25 +22,9 @@ import subprocess
 import sys
 import time
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from prompt_words import WORDS
 
-WORDS = [
-    "key",
-    "value",
-    "block",
-    "cache",
-    "layer",
-    "token",
-    "prefix",
-    "north",
-    "south",
-    "river",
-    "stone",
-    "memory",
-    "page",
-    "copy",
-    "seven",
-]
+from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
 
 def prompts(kind: str) -> list[str]:

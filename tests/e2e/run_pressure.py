@@ -22,32 +22,16 @@ import os
 import sys
 import time
 
+from prompt_words import WORDS
+
 from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
-WORDS = [
-    "key",
-    "value",
-    "block",
-    "cache",
-    "layer",
-    "token",
-    "prefix",
-    "north",
-    "south",
-    "river",
-    "stone",
-    "memory",
-    "page",
-    "copy",
-    "seven",
-    "eight",
-    "ocean",
-    "light",
-]
+PRESSURE_WORDS = [*WORDS, "eight", "ocean", "light"]
 
 
 def prompt(i: int) -> str:
-    return " ".join(WORDS[(j * (i + 3) + i) % len(WORDS)] for j in range(320))
+    words = PRESSURE_WORDS
+    return " ".join(words[(j * (i + 3) + i) % len(words)] for j in range(320))
 
 
 def connector_totals(worker) -> dict:
