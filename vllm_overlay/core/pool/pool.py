@@ -3,11 +3,14 @@
 * ``count_hits(keys)``: how many leading keys exist (one pipelined EXISTS
   round trip; called by the scheduler, so it fails fast when the pool is down).
 * ``submit_store(items)``: queue values for writing; a background thread
-  writes them in pipelined batches, skipping keys already present.  Refused
-  (counted as dropped) beyond ``max_inflight_bytes``.
-* ``submit_load(job, keys)`` / ``poll_loads()``: a background thread fetches
-  the values in one pipelined MGET-like batch; results come back as bytes or
-  None (missing, failed, or refused by the codec check).
+  writes them in pipelined batches, skipping keys already present.  Items
+  are admitted in order (a block is useless without its predecessors) up to
+  ``max_inflight_bytes``; the rest are dropped, counted and warned about.
+* ``submit_load(job, keys, value_bytes)`` / ``poll_loads()``: a background
+  thread fetches the values in one pipelined MGET-like batch; results come
+  back as bytes or None (missing, failed, refused by the codec check, or
+  beyond ``max_inflight_load_bytes``: the caller reports those blocks as
+  load errors and vLLM recomputes them).
 
 The threads block in socket I/O, which releases the GIL, so the engine's own
 Python keeps running while the network waits.  When the pool is unreachable
@@ -24,7 +27,6 @@ import logging
 import queue
 import threading
 import time
-import urllib.parse
 
 from vllm_overlay.core.pool.config import PoolConfig
 
@@ -43,6 +45,8 @@ class PoolStats:
     stored_blocks: int = 0
     skipped_existing: int = 0
     dropped_stores: int = 0  # over the in-flight limit, or pool down
+    limited_loads: int = 0  # blocks not loaded: over the in-flight load limit
+    bad_signatures: int = 0  # values refused: unsigned, or a wrong MAC
     bytes_in: int = 0
     bytes_out: int = 0
     errors: int = 0
@@ -60,19 +64,19 @@ class PoolStats:
         return out
 
 
-def make_client(config: PoolConfig):
+def make_client(config: PoolConfig, single_node: bool = False):
+    """A client built from the config's parsed URL (``single_node``: a plain
+    client even for a cluster, as the startup probe needs)."""
     import redis
 
-    kwargs = dict(
-        socket_connect_timeout=config.connect_timeout_s, socket_timeout=config.timeout_s
-    )
-    if config.tls_ca_file:
-        kwargs["ssl_ca_certs"] = config.tls_ca_file
-    if config.cluster:
+    kwargs = config.client_kwargs()
+    if config.cluster and not single_node:
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(config.redis_url, **kwargs)
-    return redis.Redis.from_url(config.redis_url, **kwargs)
+        return RedisCluster(**kwargs)
+    kwargs.setdefault("db", 0)
+    # No client-side retries (as Redis.from_url): the pool backs off itself.
+    return redis.Redis(retry=None, **kwargs)
 
 
 class KVPool:
@@ -87,6 +91,9 @@ class KVPool:
         self._down_until = 0.0
         self._backoff = config.retry_backoff_s
         self._last_warning = 0.0
+        self._last_drop_warning = 0.0
+        self._inflight_load = 0
+        self.misconfigured: str | None = None  # set by probe(): pool disabled
         self._inflight = 0
         self._pending_loads = 0
         self._loads_done: collections.deque = collections.deque()
@@ -123,7 +130,7 @@ class KVPool:
 
     # -- health -----------------------------------------------------------
     def is_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self.misconfigured is not None or time.monotonic() < self._down_until
 
     def _failed(self, exc: Exception, what: str) -> None:
         import redis
@@ -143,7 +150,7 @@ class KVPool:
                     self.config.redacted_url,
                     what,
                     type(exc).__name__,
-                    exc,
+                    self.config.redact(str(exc)),
                     f", retrying in {self._down_until - now:.0f}s"
                     if unreachable
                     else "",
@@ -158,22 +165,24 @@ class KVPool:
             )
 
     def probe(self) -> threading.Thread:
-        """Check once, in the background, that the pool answers; log one
-        warning naming the (redacted) URL if it does not.  Bounded by
-        ``connect_timeout_s`` and ``timeout_s``; never blocks the caller."""
+        """Check once, in the background, that the pool answers and that it
+        is a cluster exactly when ``cluster`` says so; log one warning naming
+        the (redacted) URL if it does not answer.  A cluster mismatch is a
+        configuration error: logged as such, and the pool is disabled
+        (``misconfigured``; every request recomputes) instead of failing on
+        every lookup.  Bounded by ``connect_timeout_s`` and ``timeout_s``;
+        never blocks the caller."""
 
         def run() -> None:
             try:
-                client = make_client(self.config)
+                client = make_client(self.config, single_node=True)
                 try:
                     client.ping()
+                    info = client.info("cluster")
                 finally:
                     client.close()
             except Exception as exc:  # noqa: BLE001 - any failure is reported
-                detail = str(exc)
-                password = urllib.parse.urlsplit(self.config.url).password
-                if password:
-                    detail = detail.replace(password, "***")
+                detail = self.config.redact(str(exc))
                 logger.warning(
                     "vllm-overlay KV pool %s cannot be reached at startup "
                     "(%s: %s); requests recompute until it can",
@@ -181,7 +190,24 @@ class KVPool:
                     type(exc).__name__,
                     detail,
                 )
+                return
+            self.server_is_cluster = bool(int(info.get("cluster_enabled", 0)))
+            if self.server_is_cluster != self.config.cluster:
+                self.misconfigured = (
+                    f"cluster is {str(self.config.cluster).lower()} but the "
+                    f"server {'is' if self.server_is_cluster else 'is not'} "
+                    "a cluster node (INFO cluster: cluster_enabled:"
+                    f"{int(self.server_is_cluster)}); set cluster to "
+                    f"{str(self.server_is_cluster).lower()}"
+                )
+                logger.error(
+                    "vllm-overlay KV pool %s: configuration error: %s. The pool "
+                    "is disabled; requests recompute.",
+                    self.config.redacted_url,
+                    self.misconfigured,
+                )
 
+        self.server_is_cluster: bool | None = None
         thread = threading.Thread(
             target=run, name="vllm-overlay-pool-probe", daemon=True
         )
@@ -218,17 +244,50 @@ class KVPool:
         return hits
 
     # -- stores -------------------------------------------------------------
-    def submit_store(self, items: list[tuple[bytes, bytes]]) -> bool:
-        """Queue ``(key, value)`` pairs; False if dropped."""
+    def submit_store(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Queue ``(key, value)`` pairs, in prefix order: the leading items
+        that fit under ``max_inflight_bytes`` are admitted; from the first
+        one that does not, the rest are dropped (a block is useless without
+        its predecessors).  Returns the number admitted (0: all dropped)."""
         self._need_io_threads()
-        size = sum(len(v) for _, v in items)
         with self._lock:
-            if self.is_down() or self._inflight + size > self.config.max_inflight_bytes:
-                self.stats.dropped_stores += len(items)
-                return False
+            admitted, size = 0, 0
+            if not self.is_down():
+                room = self.config.max_inflight_bytes - self._inflight
+                for _, value in items:
+                    if size + len(value) > room:
+                        break
+                    size += len(value)
+                    admitted += 1
+            dropped = len(items) - admitted
+            self.stats.dropped_stores += dropped
             self._inflight += size
-        self._store_q.put((items, size))
-        return True
+        if dropped and not self.is_down():
+            self._warn_dropped(
+                "store", admitted, dropped, self.config.max_inflight_bytes
+            )
+        if admitted:
+            self._store_q.put((items[:admitted], size))
+        return admitted
+
+    def _warn_dropped(self, what: str, kept: int, dropped: int, limit: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_drop_warning < 30.0:
+                return
+            self._last_drop_warning = now
+        logger.warning(
+            "vllm-overlay KV pool %s: %s of %d block(s): %d admitted, %d dropped "
+            "(over the in-flight limit of %d B%s); this warning repeats at "
+            "most every 30 s, stats count every block",
+            self.config.redacted_url,
+            what,
+            kept + dropped,
+            kept,
+            dropped,
+            limit,
+            "; dropped blocks are recomputed" if what == "load" else "",
+        )
 
     def submit_delete(self, keys: list[bytes]) -> None:
         """Remove values that failed their check (background)."""
@@ -279,11 +338,27 @@ class KVPool:
                 self._inflight -= size
 
     # -- loads ----------------------------------------------------------------
-    def submit_load(self, job_id, keys: list[bytes]) -> None:
+    def submit_load(self, job_id, keys: list[bytes], value_bytes: int = 0) -> int:
+        """Fetch ``keys`` in the background.  With ``value_bytes`` (the size
+        of one value), only the leading keys that fit under the in-flight
+        load limit are fetched; the others come back as None, so the caller
+        reports them as load errors and vLLM recomputes them.  Returns the
+        number of keys fetched."""
         self._need_io_threads()
+        limit = self.config.load_limit_bytes
         with self._lock:
+            n = len(keys)
+            if value_bytes:
+                room = max(0, limit - self._inflight_load)
+                n = min(n, room // value_bytes)
+            size = n * value_bytes
+            self._inflight_load += size
+            self.stats.limited_loads += len(keys) - n
             self._pending_loads += 1
-        self._load_q.put((job_id, keys))
+        if n < len(keys):
+            self._warn_dropped("load", n, len(keys) - n, limit)
+        self._load_q.put((job_id, keys, n, size))
+        return n
 
     def poll_loads(self) -> list[tuple[object, list[bytes | None]]]:
         done = []
@@ -292,19 +367,19 @@ class KVPool:
         return done
 
     def _load(self, client, job) -> None:
-        job_id, keys = job
+        job_id, keys, n, size = job
         values: list[bytes | None] = [None] * len(keys)
         try:
             if self.is_down():
                 raise _Skipped()
             start = time.perf_counter()
             if self.config.cluster:
-                values = [client.get(k) for k in keys]
-            else:
+                values[:n] = [client.get(k) for k in keys[:n]]
+            elif n:
                 pipe = client.pipeline(transaction=False)
-                for key in keys:
+                for key in keys[:n]:
                     pipe.get(key)
-                values = pipe.execute()
+                values[:n] = pipe.execute()
             with self._lock:
                 self.stats.bytes_in += sum(len(v) for v in values if v)
                 self.stats.io_seconds_in += time.perf_counter() - start
@@ -317,11 +392,13 @@ class KVPool:
         self._loads_done.append((job_id, values))
         with self._lock:
             self._pending_loads -= 1
+            self._inflight_load -= size
 
-    def record_load(self, loaded: int, failed: int) -> None:
+    def record_load(self, loaded: int, failed: int, bad_signatures: int = 0) -> None:
         with self._lock:
             self.stats.loaded_blocks += loaded
             self.stats.load_failures += failed
+            self.stats.bad_signatures += bad_signatures
 
     # -- threads ----------------------------------------------------------------
     def _run(self, jobs: queue.Queue, handle) -> None:
