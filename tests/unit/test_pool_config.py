@@ -130,7 +130,7 @@ def test_cluster_true_against_a_plain_server_is_reported_and_disables(caplog):
         pool = _probe(PoolConfig(url=server.url, cluster=True), caplog)
         assert pool.server_is_cluster is False
         assert pool.misconfigured and "is not a cluster node" in pool.misconfigured
-        errors = [r for r in caplog.records if "configuration error" in r.message]
+        errors = [r for r in caplog.records if "configuration error" in r.getMessage()]
         assert len(errors) == 1 and "set cluster to false" in errors[0].message
         assert pool.is_down() and pool.count_hits([b"k"]) == 0  # no network
 

@@ -8,9 +8,13 @@ failure.
 * Keys: ``vkv:<namespace>:r<rank>:<chain hash>``.  The chain is vLLM's
   (``hash_block_tokens`` with the request's extra keys: LoRA, multimodal,
   cache salt) but rooted at a fixed seed, so it does not depend on
-  ``PYTHONHASHSEED`` and two nodes agree on it.  The namespace hashes the
-  model, dtypes, block size, attention backend and KV layout, TP/PP sizes,
-  the hash algorithm and the user's ``namespace``.
+  ``PYTHONHASHSEED`` and two nodes agree on it.  The namespace hashes
+  vLLM's model config hash (model, revision, quantization, dtype, the HF
+  config after ``hf_overrides``), the KV cache dtype as configured, block
+  size, attention backend and KV layout (cross-layer or not), TP/PP sizes,
+  the hash algorithm, the LoRA config and the user's ``namespace``; each
+  value's header also carries the writer's layout fingerprint, and with a
+  shared secret a MAC.
 * Swap-in: the scheduler counts the leading blocks present in the pool
   (one pipelined EXISTS); the request waits while they load (others run)
   and its prefill skips them.  Values that fail the check are reported with
@@ -20,8 +24,9 @@ failure.
 
 ``kv_connector_extra_config``: ``url`` (redis://, rediss://, valkey://,
 valkeys://, with user:password@), ``cluster`` (bool), ``namespace``,
-``connect_timeout_s``, ``timeout_s``, ``max_inflight_bytes``, ``ttl_s``,
-``retry_backoff_s``, ``max_retry_backoff_s``.
+``connect_timeout_s``, ``timeout_s``, ``max_inflight_bytes``,
+``max_inflight_load_bytes``, ``ttl_s``, ``retry_backoff_s``,
+``max_retry_backoff_s``, ``tls_ca_file``, ``secret_file``, ``secret_env``.
 
 Like vLLM's own connectors, ``SharedKVPoolConnector`` is a thin
 ``KVConnectorBase_V1`` that delegates to ``connector_scheduler``
@@ -74,11 +79,12 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         # lookups on the calling thread and starts no I/O threads.
         self.pool = KVPool(self.config, io_threads=not scheduler)
         logger.info(
-            "vllm-overlay KV pool: %s%s, namespace %s (%s)",
+            "vllm-overlay KV pool: %s%s, namespace %s (%s), values %s",
             self.config.redacted_url,
             " (cluster)" if self.config.cluster else "",
             self.ns.hex()[:12],
             self.config.namespace,
+            "signed (shared secret)" if self.config.mac_key else "unsigned",
         )
         self.connector_scheduler: SharedPoolScheduler | None = None
         self.connector_worker: SharedPoolWorker | None = None

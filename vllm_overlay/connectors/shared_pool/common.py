@@ -5,9 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+def cross_layer_expected() -> bool:
+    """Whether this node's workers may register cross-layer blocks (the
+    connector prefers them): off when the plugin or its cross-layer patches
+    (CL-09, CL-10) are disabled by environment.  Both roles read the same
+    environment, so they agree."""
+    if os.environ.get("VLLM_OVERLAY_DISABLE", "0") not in ("", "0"):
+        return False
+    skipped = {
+        item.strip()
+        for item in os.environ.get("VLLM_OVERLAY_SKIP_PATCHES", "").split(",")
+    }
+    return not skipped & {"CL-09", "CL-10"}
 
 
 def layout_descriptor(vllm_config) -> str:
@@ -29,30 +44,60 @@ def layout_descriptor(vllm_config) -> str:
         )
     except (AttributeError, NotImplementedError, TypeError):
         order = None
-    return f"{backend.get_name()}/{get_kv_cache_layout()}/layers-order={order}"
+    cross = "on" if cross_layer_expected() and order is not None else "off"
+    return (
+        f"{backend.get_name()}/{get_kv_cache_layout()}/layers-order={order}"
+        f"/cross-layer={cross}"
+    )
+
+
+def namespace_factors(vllm_config, user_namespace: str) -> list[str]:
+    """Everything that decides the bytes of a block, as stable strings.
+
+    vLLM's ``ModelConfig.compute_hash()`` covers the model, revision,
+    code revision, quantization, dtype and the HF config after
+    ``hf_overrides`` (rope scaling) - and also max_model_len and a few
+    other fields that do not change KV bytes, so nodes share only when
+    they run the same model config.  ``CacheConfig.compute_hash()`` covers
+    the KV cache dtype as configured.  Neither covers the block size, the
+    attention backend and layout, TP/PP or the prefix hash algorithm:
+    those are added here, with the LoRA config and the user's namespace.
+    (tests/unit/test_pool_namespace.py checks which fields each covers.)
+    """
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    lora = getattr(vllm_config, "lora_config", None)
+    return [
+        "vllm-overlay-kv-pool/2",
+        f"model-hash={model.compute_hash()}",
+        f"model={model.model}@{model.revision}",
+        f"quantization={model.quantization}",
+        f"dtype={model.dtype}",
+        f"cache-hash={cache.compute_hash()}",
+        f"cache-dtype={cache.cache_dtype}",
+        f"block-size={cache.block_size}",
+        f"layout={layout_descriptor(vllm_config)}",
+        f"tp={parallel.tensor_parallel_size}",
+        f"pp={parallel.pipeline_parallel_size}",
+        f"hash-algo={cache.prefix_caching_hash_algo}",
+        f"lora={lora.compute_hash() if lora is not None else None}",
+        f"namespace={user_namespace}",
+    ]
 
 
 def namespace_tag(vllm_config, user_namespace: str) -> bytes:
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    descriptor = "|".join(
-        map(
-            str,
-            (
-                "vllm-overlay-kv-pool/1",
-                model.model,
-                model.dtype,
-                cache.cache_dtype,
-                cache.block_size,
-                layout_descriptor(vllm_config),
-                parallel.tensor_parallel_size,
-                parallel.pipeline_parallel_size,
-                cache.prefix_caching_hash_algo,
-                user_namespace,
-            ),
-        )
-    )
+    descriptor = "|".join(namespace_factors(vllm_config, user_namespace))
     return hashlib.blake2b(descriptor.encode(), digest_size=16).digest()
+
+
+def table_layout_tag(kind: str, table, extra: str = "") -> bytes:
+    """The value header's layout fingerprint, from what the worker actually
+    registered: cross-layer or per-layer, and the block's byte layout."""
+    from vllm_overlay.core.pool import codec
+
+    return codec.layout_tag(
+        f"{kind}|block-bytes={table.block_bytes}|runs={table.runs_per_block}|{extra}"
+    )
 
 
 def pool_key(ns: bytes, chain_hash: bytes, rank: int) -> bytes:

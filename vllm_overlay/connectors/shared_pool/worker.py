@@ -5,10 +5,15 @@ threads (store and load)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from vllm_overlay.connectors.shared_pool.common import PoolMetadata, pool_key
+from vllm_overlay.connectors.shared_pool.common import (
+    PoolMetadata,
+    pool_key,
+    table_layout_tag,
+)
 from vllm_overlay.core.ops.block_copy import gather, scatter
 from vllm_overlay.core.pool import codec
 from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
@@ -29,14 +34,19 @@ class SharedPoolWorker:
         self._stored_reqs: set[str] = set()
         self._waiting_finish: set[str] = set()
         self._load_errors: set[int] = set()
+        self._layout = b""  # the layout fingerprint in each value's header
+        self._mac_key = pool.config.mac_key
+        self._last_refusal_log = 0.0
+        self._refusals_unlogged = 0
 
     def _key(self, chain_hash: bytes) -> bytes:
         return pool_key(self.ns, chain_hash, self._rank)
 
-    def _set_table(self, table, what: str) -> None:
+    def _set_table(self, table, what: str, layout_tag: bytes) -> None:
         from vllm.distributed import get_world_group
 
         self._table = table
+        self._layout = layout_tag
         self._rank = get_world_group().rank if self.world_size > 1 else 0
         logger.info(
             "vllm-overlay KV pool: %s, one value of %d B per block "
@@ -48,15 +58,33 @@ class SharedPoolWorker:
         )
 
     def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
+        table = cross_layer_table(kv_cache, layout)
         self._set_table(
-            cross_layer_table(kv_cache, layout),
+            table,
             f"cross-layer buffer ({layout.num_layers} layers)",
+            table_layout_tag(
+                "cross-layer",
+                table,
+                f"dims={layout.dims}|dtype={layout.dtype}|layers="
+                f"{layout.num_layers}|kernel-block={layout.kernel_block_size}",
+            ),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        table = per_layer_table(self.vllm_config, kv_caches)
+        first = next(iter(kv_caches.values()))
+        order = tuple(sorted(range(first.dim()), key=lambda d: -first.stride(d)))
         self._set_table(
-            per_layer_table(self.vllm_config, kv_caches),
+            table,
             f"{len(kv_caches)} per-layer caches",
+            table_layout_tag(
+                "per-layer",
+                table,
+                f"kv-layout={get_kv_cache_layout()}|dtype={first.dtype}|"
+                f"dim-order={order}|runs={[s.length for s in table.segments]}",
+            ),
         )
 
     def _method(self) -> str:
@@ -65,7 +93,11 @@ class SharedPoolWorker:
     def start_load_kv(self, meta: PoolMetadata) -> None:
         for req_id, (block_ids, chain) in meta.loads.items():
             self._jobs[req_id] = (block_ids, chain)
-            self.pool.submit_load(req_id, [self._key(h) for h in chain])
+            self.pool.submit_load(
+                req_id,
+                [self._key(h) for h in chain],
+                value_bytes=self._table.block_bytes + codec.HEADER_BYTES,
+            )
 
     def wait_for_save(self, meta: PoolMetadata) -> None:
         """Copy the blocks completed in this step to host memory; the
@@ -99,7 +131,18 @@ class SharedPoolWorker:
                 items = []
                 for row, h in zip(staging, chain):
                     key = self._key(h)
-                    items.append((key, codec.encode(self.ns, key, row.numpy().data)))
+                    items.append(
+                        (
+                            key,
+                            codec.encode(
+                                self.ns,
+                                key,
+                                row.numpy().data,
+                                self._layout,
+                                self._mac_key,
+                            ),
+                        )
+                    )
                 self.pool.submit_store(items)
             if keep:
                 self._pending_copies[req_id] = keep
@@ -111,23 +154,27 @@ class SharedPoolWorker:
         for req_id, values in self.pool.poll_loads():
             block_ids, chain = self._jobs.pop(req_id)
             good_ids, good_rows, failed, refused = [], [], 0, []
+            bad_signatures = 0
             for block_id, h, value in zip(block_ids, chain, values):
                 try:
                     if value is None:
                         raise codec.BadValue("missing")
                     payload = codec.decode(
-                        self.ns, self._key(h), value, self._table.block_bytes
+                        self.ns,
+                        self._key(h),
+                        value,
+                        self._table.block_bytes,
+                        self._layout,
+                        self._mac_key,
                     )
                 except codec.BadValue as exc:
                     failed += 1
                     self._load_errors.add(block_id)
                     if value is not None:
-                        refused.append(self._key(h))
-                        logger.warning(
-                            "vllm-overlay KV pool: block %s refused (%s); recomputing",
-                            h.hex()[:12],
-                            exc,
-                        )
+                        if exc.delete:
+                            refused.append(self._key(h))
+                        bad_signatures += exc.signature
+                        self._log_refusal(h, exc)
                     continue
                 good_ids.append(block_id)
                 good_rows.append(torch.frombuffer(payload, dtype=torch.uint8))
@@ -143,11 +190,27 @@ class SharedPoolWorker:
                 )
                 if self._table.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
-            self.pool.record_load(len(good_ids), failed)
+            self.pool.record_load(len(good_ids), failed, bad_signatures)
             if refused:  # a bad value is never loaded again, by any node
                 self.pool.submit_delete(refused)
             done.add(req_id)
         return done
+
+    def _log_refusal(self, chain_hash: bytes, exc: codec.BadValue) -> None:
+        """Rate-limited: at most one line every 10 s, with the count."""
+        now = time.monotonic()
+        if now - self._last_refusal_log < 10.0:
+            self._refusals_unlogged += 1
+            return
+        self._last_refusal_log = now
+        more, self._refusals_unlogged = self._refusals_unlogged, 0
+        logger.warning(
+            "vllm-overlay KV pool: block %s refused (%s)%s; %s; recomputing",
+            chain_hash.hex()[:12],
+            exc,
+            f" (and {more} more refused since the last message)" if more else "",
+            "deleted" if exc.delete else "left in the pool",
+        )
 
     def get_finished(self, finished_req_ids: set[str]):
         self._flush_copies()

@@ -1,51 +1,112 @@
 """The value stored for one KV block: a fixed header, then the payload.
 
-Header (48 bytes, little-endian): magic ``VOKV``, format version (u16),
-reserved (u16), namespace tag (16 bytes), key tag (8 bytes: the block's key,
-so a value copied under another key is refused), payload length (u64), CRC-32
-of the payload (u32), reserved (u32).  ``decode`` checks every field; any
-mismatch raises ``BadValue`` and the block is treated as a miss.  Nothing is
-pickled.
+Header (72 bytes, little-endian): magic ``VOKV``, format version (u16),
+flags (u16; bit 0: signed), namespace tag (16 bytes), key tag (8 bytes: the
+block's key, so a value copied under another key is refused), layout tag (8
+bytes: the writer's KV layout, as registered in its worker), payload length
+(u64), CRC-32 of the payload (u32), reserved (u32), MAC (16 bytes: keyed
+BLAKE2b over the rest of the header and the payload; zeros when unsigned).
+``decode`` checks every field; any mismatch raises ``BadValue`` and the
+block is treated as a miss.  Nothing is pickled.
+
+A CRC detects corruption, not forgery: anyone who can write the pool can
+write a value with a valid CRC.  With a shared secret (``mac_key``) every
+value is signed, and a node refuses unsigned values and wrong MACs.  A node
+without a secret refuses signed values too: it cannot check them, and a
+fleet with mixed secrets is a configuration error worth noticing.
+``BadValue.delete`` says whether the value should be deleted: not for
+signature problems (with secrets being rotated, a value this node cannot
+verify may be good for another) nor for another layout (another node's
+value under the same key, not corruption).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 import zlib
 
 MAGIC = b"VOKV"
-VERSION = 1
-_HEADER = struct.Struct("<4sHH16s8sQII")
+VERSION = 2
+SIGNED = 1
+_HEADER = struct.Struct("<4sHH16s8s8sQII16s")
 HEADER_BYTES = _HEADER.size
+_MAC_AT = HEADER_BYTES - 16
+_NO_MAC = bytes(16)
+_NO_LAYOUT = bytes(8)
 
 
 class BadValue(ValueError):
-    pass
+    def __init__(self, message: str, delete: bool = True, signature: bool = False):
+        super().__init__(message)
+        self.delete = delete  # remove it from the pool
+        self.signature = signature  # unsigned, wrongly signed, or unverifiable
 
 
 def key_tag(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=8).digest()
 
 
-def encode_header(namespace_tag: bytes, key: bytes, payload) -> bytes:
+def layout_tag(description: str) -> bytes:
+    """8 bytes naming a KV layout (see the worker's description)."""
+    return hashlib.blake2b(description.encode(), digest_size=8).digest()
+
+
+def _mac(mac_key: bytes, head: bytes, payload) -> bytes:
+    h = hashlib.blake2b(key=mac_key, digest_size=16, person=b"vkv-value-mac")
+    h.update(head)
+    h.update(payload)
+    return h.digest()
+
+
+def encode_header(
+    namespace_tag: bytes,
+    key: bytes,
+    payload,
+    layout: bytes = _NO_LAYOUT,
+    mac_key: bytes | None = None,
+) -> bytes:
     view = memoryview(payload).cast("B")
-    return _HEADER.pack(
-        MAGIC, VERSION, 0, namespace_tag, key_tag(key), view.nbytes, zlib.crc32(view), 0
-    )
+    head = _HEADER.pack(
+        MAGIC,
+        VERSION,
+        SIGNED if mac_key else 0,
+        namespace_tag,
+        key_tag(key),
+        layout,
+        view.nbytes,
+        zlib.crc32(view),
+        0,
+        _NO_MAC,
+    )[:_MAC_AT]
+    return head + (_mac(mac_key, head, view) if mac_key else _NO_MAC)
 
 
-def encode(namespace_tag: bytes, key: bytes, payload) -> bytes:
-    return encode_header(namespace_tag, key, payload) + bytes(payload)
+def encode(
+    namespace_tag: bytes,
+    key: bytes,
+    payload,
+    layout: bytes = _NO_LAYOUT,
+    mac_key: bytes | None = None,
+) -> bytes:
+    return encode_header(namespace_tag, key, payload, layout, mac_key) + bytes(payload)
 
 
 def decode(
-    namespace_tag: bytes, key: bytes, value: bytes, expected_length: int
+    namespace_tag: bytes,
+    key: bytes,
+    value: bytes,
+    expected_length: int,
+    layout: bytes = _NO_LAYOUT,
+    mac_key: bytes | None = None,
 ) -> memoryview:
     """The payload of ``value``, checked; raises BadValue."""
     if len(value) < HEADER_BYTES:
         raise BadValue(f"value of {len(value)} B is shorter than the header")
-    magic, version, _, ns, ktag, length, crc, _ = _HEADER.unpack_from(value)
+    magic, version, flags, ns, ktag, ltag, length, crc, _, mac = _HEADER.unpack_from(
+        value
+    )
     if magic != MAGIC:
         raise BadValue("not a vllm-overlay KV value (bad magic)")
     if version != VERSION:
@@ -54,12 +115,39 @@ def decode(
         raise BadValue("value belongs to another namespace")
     if ktag != key_tag(key):
         raise BadValue("value was stored under another key")
+    if ltag != layout:
+        raise BadValue(
+            "value has another KV layout (layout fingerprint "
+            f"{ltag.hex()}, this node {layout.hex()})",
+            delete=False,
+        )
     if length != expected_length or len(value) - HEADER_BYTES != length:
         raise BadValue(
             f"payload of {len(value) - HEADER_BYTES} B, header "
             f"says {length} B, layout needs {expected_length} B"
         )
     payload = memoryview(value)[HEADER_BYTES:]
-    if zlib.crc32(payload) != crc:
+    if zlib.crc32(payload) != crc:  # corrupt (or forged carelessly): deleted
         raise BadValue("checksum mismatch")
+    signed = bool(flags & SIGNED)
+    if mac_key is not None:
+        if not signed:
+            raise BadValue(
+                "unsigned value (this node has a shared secret)",
+                delete=False,
+                signature=True,
+            )
+        expected = _mac(mac_key, memoryview(value)[:_MAC_AT], payload)
+        if not hmac.compare_digest(mac, expected):
+            raise BadValue(
+                "bad signature (another secret, or forged)",
+                delete=False,
+                signature=True,
+            )
+    elif signed:
+        raise BadValue(
+            "signed value (this node has no shared secret)",
+            delete=False,
+            signature=True,
+        )
     return payload
