@@ -84,7 +84,7 @@ def test_corrupted_value_is_a_miss_and_recomputed(pool_node, stock):
         pool_node({"url": server.url})
         keys = server.cli("--scan", "--pattern", "vkv:*").split()
         assert len(keys) == 5
-        for key in keys:  # flip payload bytes behind the 48-byte header
+        for key in keys:  # flip payload bytes behind the 72-byte header
             server.cli("setrange", key, "1000", "garbage!")
         second = pool_node({"url": server.url})
     assert second.result["scheduler"]["hits"] == 5

@@ -133,6 +133,8 @@ class PoolConnectorStats(KVConnectorStats):
                 "load_failures",
                 "stored_blocks",
                 "dropped_stores",
+                "limited_loads",
+                "bad_signatures",
                 "errors",
             )
         }
