@@ -154,3 +154,40 @@ def test_namespace_is_stable_across_processes(base, overlay):
         assert out.returncode == 0, out.stderr[-2000:]
         results.add(out.stdout.strip().splitlines()[-1])
     assert results == {ns(base)}
+
+
+def _chain(lora_request, request_id="r"):
+    import types
+
+    from vllm_overlay.connectors.shared_pool.scheduler import SharedPoolScheduler
+
+    config = types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(
+            block_size=4, prefix_caching_hash_algo="sha256"
+        ),
+        parallel_config=types.SimpleNamespace(world_size=1),
+    )
+    scheduler = SharedPoolScheduler(config, b"n" * 16, pool=None)
+    request = types.SimpleNamespace(
+        request_id=request_id,
+        all_token_ids=list(range(12)),
+        mm_features=[],
+        lora_request=lora_request,
+        cache_salt=None,
+        prompt_embeds=None,
+    )
+    return scheduler._chain(request)
+
+
+def test_a_lora_is_keyed_by_name_and_by_where_it_came_from():
+    """vLLM keys a LoRA by name only; two nodes may load different adapters
+    under one name, so the pool chain also covers the adapter's path."""
+    from vllm.lora.request import LoRARequest
+
+    plain = _chain(None)
+    a = _chain(LoRARequest("sql", 1, "/adapters/sql-v1"))
+    assert len(plain) == 3
+    assert a == _chain(LoRARequest("sql", 7, "/adapters/sql-v1"), "other")
+    assert a != plain
+    assert a != _chain(LoRARequest("sql", 1, "/adapters/sql-v2"))
+    assert a != _chain(LoRARequest("chat", 1, "/adapters/sql-v1"))

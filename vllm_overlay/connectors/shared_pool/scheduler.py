@@ -45,11 +45,17 @@ class SharedPoolScheduler:
 
         chain = self._chains.setdefault(request.request_id, [])
         tokens = request.all_token_ids
+        # vLLM keys a LoRA by name only; across nodes the name may stand for
+        # another adapter, so the pool chain adds where it was loaded from.
+        lora = getattr(request, "lora_request", None)
+        lora_key = (f"lora-path={lora.lora_path}",) if lora is not None else ()
         mm_idx = 0
         while (len(chain) + 1) * self.block_size <= len(tokens):
             start = len(chain) * self.block_size
             end = start + self.block_size
             extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            if lora_key:
+                extra = (*(extra or ()), *lora_key)
             parent = chain[-1] if chain else self._hash_fn(CHAIN_ROOT)
             chain.append(
                 bytes(
