@@ -191,3 +191,48 @@ def test_a_lora_is_keyed_by_name_and_by_where_it_came_from():
     assert a != plain
     assert a != _chain(LoRARequest("sql", 1, "/adapters/sql-v2"))
     assert a != _chain(LoRARequest("chat", 1, "/adapters/sql-v1"))
+
+
+def test_attention_backend_and_kv_layout_change_the_namespace(
+    base, monkeypatch, overlay
+):
+    import vllm.attention.selector as selector
+    import vllm.v1.attention.backends.utils as backend_utils
+
+    before = ns(base)
+    monkeypatch.setattr(backend_utils, "get_kv_cache_layout", lambda: "HND")
+    hnd = ns(base)
+    real = selector.get_attn_backend
+
+    class Other:
+        @staticmethod
+        def get_name():
+            return "OTHER_ATTN"
+
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            raise NotImplementedError
+
+    monkeypatch.setattr(selector, "get_attn_backend", lambda *a, **k: Other)
+    other = ns(base)
+    monkeypatch.setattr(selector, "get_attn_backend", real)
+    assert len({before, hnd, other}) == 3
+
+
+def test_value_layout_fingerprint_tells_per_layer_from_cross_layer():
+    """Equal block sizes, different layouts: different header fingerprints,
+    so a per-layer value is refused by a cross-layer node (and back)."""
+    import types
+
+    from vllm_overlay.connectors.shared_pool.common import table_layout_tag
+
+    table = types.SimpleNamespace(block_bytes=4096, runs_per_block=1)
+    tags = {
+        table_layout_tag("cross-layer", table, "dims=(blocks, layers, ...)"),
+        table_layout_tag("per-layer", table, "kv-layout=HND"),
+        table_layout_tag("per-layer", table, "kv-layout=NHD"),
+    }
+    assert len(tags) == 3
+    assert table_layout_tag("per-layer", table, "x") == table_layout_tag(
+        "per-layer", table, "x"
+    )
