@@ -135,7 +135,7 @@ def test_cluster_true_against_a_plain_server_is_reported_and_disables(caplog):
         assert pool.is_down() and pool.count_hits([b"k"]) == 0  # no network
 
 
-def test_cluster_detection_at_startup(caplog):
+def test_cluster_detection_at_startup_and_cluster_io(caplog):
     with redis_server() as server:
         plain = _probe(PoolConfig(url=server.url), caplog)
     assert plain.server_is_cluster is False and plain.misconfigured is None
@@ -143,4 +143,15 @@ def test_cluster_detection_at_startup(caplog):
         ok = _probe(PoolConfig(url=servers[0].url, cluster=True), caplog)
         assert ok.server_is_cluster is True and ok.misconfigured is None
         wrong = _probe(PoolConfig(url=servers[0].url), caplog)
+        # The cluster client is built from the parsed URL too.
+        pool = KVPool(PoolConfig(url=servers[0].url, cluster=True))
+        try:
+            items = [(b"c%d" % i, b"v%d" % i) for i in range(6)]
+            assert pool.submit_store(items) == 6 and pool.drain()
+            assert pool.count_hits([k for k, _ in items]) == 6
+            pool.submit_load("j", [k for k, _ in items])
+            assert pool.drain()
+            assert pool.poll_loads() == [("j", [v for _, v in items])]
+        finally:
+            pool.close()
     assert wrong.misconfigured and "set cluster to true" in wrong.misconfigured
