@@ -60,7 +60,7 @@ def _worker_info(worker) -> dict:
     connector = get_kv_transfer_group()
     if hasattr(connector, "pool"):  # SharedKVPoolConnector
         connector.pool.drain()
-        table = connector._table
+        table = connector.connector_worker._table
         info.update(kind="pool", totals=connector.pool.cumulative())
     else:  # OverlayOffloadingConnector
         handler = connector.connector_worker.handler

@@ -108,8 +108,11 @@ def test_stock_drift_is_within_the_stated_tolerance(llm_run):
     device prefix cache.  Tokens equal; logprobs within STOCK_FLOAT32_DRIFT
     (the printed figure is this machine's drift)."""
     stock = llm_run({"dtype": "float32"}, **STOCK)
-    assert [p["cached_tokens"] for p in stock.passes[0]] == [0] * 5
-    assert [p["cached_tokens"] for p in stock.passes[1]][2:] == [128, 256, 512]
+    # Pass 1 may already hit prefixes its own longer prompts share; pass 2
+    # serves more of every multi-block prompt from the device cache.
+    hits = [[p["cached_tokens"] for p in stock.passes[i]] for i in range(2)]
+    assert hits[1][2:] == [128, 256, 512]
+    assert all(h1 > h0 for h0, h1 in zip(hits[0][2:], hits[1][2:]))
     assert stock.tokens(1) == stock.tokens(0)
     drift = max_abs_diff(stock.logprobs(1), stock.logprobs(0))
     print(f"stock float32 drift, device hit vs recompute: {drift:.3g}")
