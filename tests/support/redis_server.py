@@ -154,7 +154,9 @@ def redis_cluster(nodes: int = 3):
         if out.returncode != 0:
             raise RuntimeError(out.stdout + out.stderr)
         deadline = time.monotonic() + 20
-        while "cluster_state:ok" not in servers[0].cli("cluster", "info"):
+        # Every node must see the whole cluster up: a node that has not yet
+        # learnt every slot owner answers CLUSTERDOWN.
+        while not all("cluster_state:ok" in s.cli("cluster", "info") for s in servers):
             if time.monotonic() > deadline:
                 raise RuntimeError("cluster did not become ok")
             time.sleep(0.1)
