@@ -43,6 +43,10 @@ class RedisServer:
             )
         self.port = port or free_port(cluster="--cluster-enabled" in extra)
         self.dir = tempfile.mkdtemp(prefix="vllm-overlay-redis-")
+        self._spawn(extra)
+
+    def _spawn(self, extra: tuple[str, ...] = ()) -> None:
+        """Start redis-server on this port and folder; wait until it answers."""
         self.proc = subprocess.Popen(
             [
                 "redis-server",
@@ -91,25 +95,9 @@ class RedisServer:
             self.proc.wait(timeout=10)
 
     def restart(self) -> None:
+        """Stop and start again on the same port and folder (plain options)."""
         self.stop()
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.wait_ready()
+        self._spawn()
 
 
 @contextlib.contextmanager
