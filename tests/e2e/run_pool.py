@@ -59,6 +59,10 @@ def main(config: dict) -> dict:
             "max_retry_backoff_s": 0.5,
             "timeout_s": 1.0,
             "connect_timeout_s": 0.5,
+            # These tests check what is loaded: a lookup starved of CPU on a
+            # loaded 2-core runner must not turn a hit into a recompute.
+            # (tests/unit/test_pool_liveness.py covers slow pools.)
+            "lookup_wait_s": 1.0,
         }
         if config.get("cluster"):
             extra["cluster"] = True

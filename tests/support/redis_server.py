@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 
@@ -94,10 +96,80 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def pause(self) -> None:
+        """Hang the server: SIGSTOP (the kernel still accepts connections,
+        nothing answers).  ``resume`` undoes it."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def restart(self) -> None:
         """Stop and start again on the same port and folder (plain options)."""
         self.stop()
         self._spawn()
+
+
+class HungServer:
+    """A loopback socket that accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)  # kept open, never read or answered
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+@contextlib.contextmanager
+def hung_server():
+    server = HungServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class SlowServer:
+    """Keeps a redis-server busy with ``DEBUG SLEEP seconds`` back to back
+    (it needs ``--enable-debug-command yes``), so every command waits."""
+
+    def __init__(self, server: RedisServer, seconds: float) -> None:
+        self.server, self.seconds = server, seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import redis
+
+        client = redis.Redis(port=self.server.port, socket_timeout=60)
+        while not self._stop.is_set():
+            client.execute_command("DEBUG", "SLEEP", str(self.seconds))
+        client.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.seconds + 10)
 
 
 @contextlib.contextmanager

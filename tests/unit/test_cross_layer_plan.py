@@ -282,9 +282,11 @@ class _RecordingConnector:
         pass
 
 
-def initialize_kv_cache(runner, config, agent, monkeypatch):
+def initialize_kv_cache(runner, config, agent, monkeypatch, cross_layer=True):
     """Run GPUModelRunner.initialize_kv_cache with a cross-layer buffer
-    already made (CL-09's part stubbed: this is CL-10's routing only)."""
+    already made (CL-09's part stubbed: this is CL-10's routing only);
+    ``cross_layer=False``: stock per-layer tensors, as when CL-09 is
+    skipped (the runner never gets the cross-layer attributes)."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -303,6 +305,8 @@ def initialize_kv_cache(runner, config, agent, monkeypatch):
     )
 
     def tensors(config, kernel_block_sizes):
+        if not cross_layer:
+            return {"layer": buffer}
         runner.cross_layers_kv_cache = buffer
         runner.cross_layers_attn_backend = "BACKEND"
         runner.cross_layers_kv_layout = "LAYOUT"
@@ -322,6 +326,16 @@ def test_runner_hands_the_buffer_to_an_opted_in_connector(overlay, monkeypatch):
         ("register_cross_layers_kv_cache", buffer, "BACKEND", "LAYOUT")
     ]
     assert "register_kv_caches" not in vars(agent)  # the routing is undone
+
+
+def test_with_cl09_skipped_the_connector_gets_per_layer_caches(overlay, monkeypatch):
+    """VLLM_OVERLAY_SKIP_PATCHES=CL-09 (the README's switch to the stock
+    layout): CL-10 alone must pass stock's per-layer caches through."""
+    runner, config = model_runner()
+    assert not hasattr(runner, "cross_layers_kv_cache")
+    agent = _RecordingConnector()
+    buffer = initialize_kv_cache(runner, config, agent, monkeypatch, False)
+    assert agent.calls == [("register_kv_caches", {"layer": buffer})]
 
 
 @pytest.mark.patch_test("CL-08")

@@ -71,7 +71,9 @@ def initialize_kv_cache(self, kv_cache_config):
     # Stock calls connector.register_kv_caches(kv_caches) once the tensors
     # exist; route that one call to the cross-layer registration.
     def register_kv_caches(kv_caches):
-        if self.cross_layers_kv_cache is None:
+        # Absent when CL-09 is skipped (VLLM_OVERLAY_SKIP_PATCHES): stock
+        # allocated per-layer tensors.
+        if getattr(self, "cross_layers_kv_cache", None) is None:
             return type(connector).register_kv_caches(connector, kv_caches)
         return connector.register_cross_layers_kv_cache(
             self.cross_layers_kv_cache,

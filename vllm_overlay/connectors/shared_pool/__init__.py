@@ -16,8 +16,9 @@ failure.
   value's header also carries the writer's layout fingerprint, and with a
   shared secret a MAC.
 * Swap-in: the scheduler counts the leading blocks present in the pool
-  (one pipelined EXISTS); the request waits while they load (others run)
-  and its prefill skips them.  Values that fail the check are reported with
+  (one pipelined EXISTS on the pool's lookup thread; meanwhile the request
+  is asked again next step, others run); the request waits while they load
+  (others run) and its prefill skips them.  Values that fail the check are reported with
   ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks.
 * Swap-out: every block a request completes is copied to host memory after
   the step that wrote it and written in the background (EXISTS, then SET NX).
@@ -33,9 +34,9 @@ Like vLLM's own connectors, ``SharedKVPoolConnector`` is a thin
 (``scheduler.py``: chains, lookups, what to load and store) or
 ``connector_worker`` (``worker.py``: block copies, background pool I/O),
 whichever its role needs; ``common.py`` holds what both agree on (keys,
-namespace, metadata, stats).  The scheduler's pool starts no I/O threads;
-it probes the pool once in the background and warns at startup when the
-pool cannot be reached.
+namespace, metadata, stats).  The scheduler's pool has a lookup thread
+only; it probes the pool once in the background and warns at startup when
+the pool cannot be reached.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         self.config = PoolConfig.from_dict(extra)
         self.ns = namespace_tag(vllm_config, self.config.namespace)
         scheduler = role == KVConnectorRole.SCHEDULER
-        # Only the worker side moves values: the scheduler's pool answers
-        # lookups on the calling thread and starts no I/O threads.
-        self.pool = KVPool(self.config, io_threads=not scheduler)
+        # Only the worker side moves values; the scheduler's pool has a
+        # lookup thread only (the scheduler never waits on the network).
+        self.pool = KVPool(self.config, io_threads=not scheduler, lookups=scheduler)
         logger.info(
             "vllm-overlay KV pool: %s%s, namespace %s (%s), values %s",
             self.config.redacted_url,

@@ -129,12 +129,15 @@ class PoolConnectorStats(KVConnectorStats):
             for k in (
                 "hits",
                 "misses",
+                "lookups_skipped",
+                "lookup_timeouts",
                 "loaded_blocks",
                 "load_failures",
                 "stored_blocks",
                 "dropped_stores",
                 "limited_loads",
                 "bad_signatures",
+                "bad_keys",
                 "errors",
             )
         }

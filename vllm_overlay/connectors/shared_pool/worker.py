@@ -4,9 +4,12 @@ threads (store and load)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 
+import numpy
 import torch
 
 from vllm_overlay.connectors.shared_pool.common import (
@@ -19,6 +22,18 @@ from vllm_overlay.core.pool import codec
 from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
 
 logger = logging.getLogger("vllm.overlay")
+
+
+@dataclasses.dataclass
+class _ReadyLoad:
+    """A load, checked and packed on the pool's load thread."""
+
+    good_ids: list[int] = dataclasses.field(default_factory=list)
+    packed: torch.Tensor | None = None  # one row per good block
+    failed_ids: list[int] = dataclasses.field(default_factory=list)
+    delete_keys: list[bytes] = dataclasses.field(default_factory=list)
+    refusals: list = dataclasses.field(default_factory=list)  # (key, BadValue)
+    bad_signatures: int = 0
 
 
 class SharedPoolWorker:
@@ -93,16 +108,26 @@ class SharedPoolWorker:
     def start_load_kv(self, meta: PoolMetadata) -> None:
         for req_id, (block_ids, chain) in meta.loads.items():
             self._jobs[req_id] = (block_ids, chain)
+            keys = [self._key(h) for h in chain]
             self.pool.submit_load(
                 req_id,
-                [self._key(h) for h in chain],
+                keys,
                 value_bytes=self._table.block_bytes + codec.HEADER_BYTES,
+                prepare=functools.partial(self._prepare_load, block_ids, keys),
             )
 
     def wait_for_save(self, meta: PoolMetadata) -> None:
-        """Copy the blocks completed in this step to host memory; the
-        network write happens in the background."""
+        """Copy the blocks completed in this step to host memory (only as
+        many as the pool admits now: none while its writes are paused); the
+        store thread encodes and writes them."""
+        value_bytes = self._table.block_bytes + codec.HEADER_BYTES
         for req_id, (block_ids, chain) in meta.stores.items():
+            room = self.pool.store_room(value_bytes)
+            if room < len(block_ids):  # prefix order: keep the leading ones
+                self.pool.note_dropped(len(block_ids) - room)
+                block_ids, chain = block_ids[:room], chain[:room]
+            if not block_ids:
+                continue
             ids = torch.tensor(block_ids, dtype=torch.int64)
             staging = torch.empty(
                 len(block_ids),
@@ -121,6 +146,10 @@ class SharedPoolWorker:
             self._pending_copies.setdefault(req_id, []).append((event, staging, chain))
             self._stored_reqs.add(req_id)
 
+    def _encode(self, key: bytes, payload) -> bytes:
+        """Runs on the pool's store thread."""
+        return codec.encode(self.ns, key, payload, self._layout, self._mac_key)
+
     def _flush_copies(self) -> None:
         for req_id, copies in list(self._pending_copies.items()):
             keep = []
@@ -128,75 +157,82 @@ class SharedPoolWorker:
                 if event is not None and not event.query():
                     keep.append((event, staging, chain))
                     continue
-                items = []
-                for row, h in zip(staging, chain):
-                    key = self._key(h)
-                    items.append(
-                        (
-                            key,
-                            codec.encode(
-                                self.ns,
-                                key,
-                                row.numpy().data,
-                                self._layout,
-                                self._mac_key,
-                            ),
-                        )
-                    )
-                self.pool.submit_store(items)
+                rows = staging.numpy()
+                self.pool.submit_store(
+                    [(self._key(h), rows[i].data) for i, h in enumerate(chain)],
+                    encode=self._encode,
+                )
             if keep:
                 self._pending_copies[req_id] = keep
             else:
                 del self._pending_copies[req_id]
 
+    def _prepare_load(self, block_ids, keys, values) -> _ReadyLoad:
+        """Runs on the pool's load thread: check each value and pack the
+        good payloads into one host buffer, ready to scatter."""
+        ready = _ReadyLoad()
+        payloads = []
+        for block_id, key, value in zip(block_ids, keys, values):
+            try:
+                if value is None:
+                    raise codec.BadValue("missing")
+                payload = codec.decode(
+                    self.ns,
+                    key,
+                    value,
+                    self._table.block_bytes,
+                    self._layout,
+                    self._mac_key,
+                )
+            except codec.BadValue as exc:
+                ready.failed_ids.append(block_id)
+                if value is not None:
+                    if exc.delete:
+                        ready.delete_keys.append(key)
+                    ready.bad_signatures += exc.signature
+                    ready.refusals.append((key, exc))
+                continue
+            ready.good_ids.append(block_id)
+            payloads.append(payload)
+        if payloads:
+            ready.packed = torch.empty(
+                len(payloads),
+                self._table.block_bytes,
+                dtype=torch.uint8,
+                pin_memory=self._table.device.type == "cuda",
+            )
+            rows = ready.packed.numpy()
+            for i, payload in enumerate(payloads):
+                rows[i] = numpy.frombuffer(payload, dtype=numpy.uint8)
+        return ready
+
     def _finish_loads(self) -> set[str]:
         done = set()
-        for req_id, values in self.pool.poll_loads():
-            block_ids, chain = self._jobs.pop(req_id)
-            good_ids, good_rows, failed, refused = [], [], 0, []
-            bad_signatures = 0
-            for block_id, h, value in zip(block_ids, chain, values):
-                try:
-                    if value is None:
-                        raise codec.BadValue("missing")
-                    payload = codec.decode(
-                        self.ns,
-                        self._key(h),
-                        value,
-                        self._table.block_bytes,
-                        self._layout,
-                        self._mac_key,
-                    )
-                except codec.BadValue as exc:
-                    failed += 1
-                    self._load_errors.add(block_id)
-                    if value is not None:
-                        if exc.delete:
-                            refused.append(self._key(h))
-                        bad_signatures += exc.signature
-                        self._log_refusal(h, exc)
-                    continue
-                good_ids.append(block_id)
-                good_rows.append(torch.frombuffer(payload, dtype=torch.uint8))
-            if good_ids:
-                packed = torch.stack(good_rows)
-                if self._table.device.type == "cuda":
-                    packed = packed.pin_memory()
+        for req_id, ready in self.pool.poll_loads():
+            block_ids, _ = self._jobs.pop(req_id)
+            if ready is None:  # preparing failed (logged): recompute all
+                ready = _ReadyLoad(failed_ids=list(block_ids))
+            self._load_errors.update(ready.failed_ids)
+            if ready.good_ids:
                 scatter(
                     self._table,
-                    torch.tensor(good_ids, dtype=torch.int64),
-                    packed,
+                    torch.tensor(ready.good_ids, dtype=torch.int64),
+                    ready.packed,
                     self._method(),
                 )
                 if self._table.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
-            self.pool.record_load(len(good_ids), failed, bad_signatures)
-            if refused:  # a bad value is never loaded again, by any node
-                self.pool.submit_delete(refused)
+            self.pool.record_load(
+                len(ready.good_ids), len(ready.failed_ids), ready.bad_signatures
+            )
+            for key, exc in ready.refusals:
+                self._log_refusal(key, exc)
+            if ready.delete_keys:  # a bad value is never loaded again
+                self.pool.submit_delete(ready.delete_keys)
             done.add(req_id)
         return done
 
-    def _log_refusal(self, chain_hash: bytes, exc: codec.BadValue) -> None:
+    def _log_refusal(self, key: bytes, exc: codec.BadValue) -> None:
         """Rate-limited: at most one line every 10 s, with the count."""
         now = time.monotonic()
         if now - self._last_refusal_log < 10.0:
@@ -206,7 +242,7 @@ class SharedPoolWorker:
         more, self._refusals_unlogged = self._refusals_unlogged, 0
         logger.warning(
             "vllm-overlay KV pool: block %s refused (%s)%s; %s; recomputing",
-            chain_hash.hex()[:12],
+            key.rsplit(b":", 1)[-1][:12].decode(),
             exc,
             f" (and {more} more refused since the last message)" if more else "",
             "deleted" if exc.delete else "left in the pool",

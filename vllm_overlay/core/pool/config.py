@@ -207,6 +207,9 @@ class PoolConfig:
     namespace: str = "default"
     connect_timeout_s: float = 1.0
     timeout_s: float = 2.0
+    # How long a request waits for a lookup before it computes without the
+    # pool; a pool slower than this is paused (a background PING resumes it).
+    lookup_wait_s: float = 0.25
     max_inflight_bytes: int = 256 << 20
     # Bytes of values being loaded at once; None: max_inflight_bytes.
     max_inflight_load_bytes: int | None = None
@@ -240,6 +243,7 @@ class PoolConfig:
         for name in (
             "connect_timeout_s",
             "timeout_s",
+            "lookup_wait_s",
             "retry_backoff_s",
             "max_retry_backoff_s",
         ):

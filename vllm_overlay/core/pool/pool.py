@@ -1,27 +1,31 @@
-"""KVPool: block values in Redis/Valkey, I/O on background threads.
+"""KVPool: block values in Redis/Valkey; every network call on a background
+thread, so its callers (vLLM's scheduler and engine threads) never wait on
+the network.
 
-* ``count_hits(keys)``: how many leading keys exist (one pipelined EXISTS
-  round trip; called by the scheduler, so it fails fast when the pool is down).
-* ``submit_store(items)``: queue values for writing; a background thread
-  writes them in pipelined batches, skipping keys already present.  Items
-  are admitted in order (a block is useless without its predecessors) up to
-  ``max_inflight_bytes``; the rest are dropped, counted and warned about.
-* ``submit_load(job, keys, value_bytes)`` / ``poll_loads()``: a background
-  thread fetches the values in one pipelined MGET-like batch; results come
-  back as bytes or None (missing, failed, refused by the codec check, or
-  beyond ``max_inflight_load_bytes``: the caller reports those blocks as
-  load errors and vLLM recomputes them).
-
-The threads block in socket I/O, which releases the GIL, so the engine's own
-Python keeps running while the network waits.  When the pool is unreachable
-the pool marks itself down for a growing back-off (1 s .. 30 s), answers
-"miss" at once, logs a rate-limited warning, and tries again after the
-back-off: requests still complete by recomputing.
+* ``submit_lookup(keys)`` returns a ``LookupTicket`` at once; the lookup
+  thread answers it (pipelined EXISTS; tickets queued meanwhile share one
+  round trip).  The caller polls ``ticket.done`` and gives up after
+  ``lookup_wait_s`` (``abandon``), which marks the pool slow.
+* ``submit_store(items, encode)``: queue ``(key, payload)`` pairs; the store
+  thread encodes each payload (header, CRC, MAC) and writes it (EXISTS,
+  then SET NX).  Admitted in prefix order up to ``max_inflight_bytes``.
+* ``submit_load(job, keys, value_bytes, prepare)`` / ``poll_loads()``: the
+  load thread fetches the values (pipelined GET) and runs ``prepare`` on
+  them there (checks, copies), so the caller only consumes the result.
+* Health (``errors.py`` lists the kinds): reads and writes each have a gate.
+  Unreachable or slow closes both; only the health thread reopens them,
+  after a back-off, when a PING answers (in time) - no request is ever used
+  as a probe.  Full or read-only closes writes; denied or a bad request
+  closes the direction it happened in; those reopen after their back-off.
+  A bad key (WRONGTYPE) loses its block only, and is deleted.
+  ``count_hits`` is a blocking convenience for tests and tools, never for
+  vLLM's threads.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -29,24 +33,29 @@ import threading
 import time
 
 from vllm_overlay.core.pool.config import PoolConfig
+from vllm_overlay.core.pool.errors import Failure, PoolTooSlow, classify
 
 logger = logging.getLogger("vllm.overlay")
 
 _STOP = object()
+READ, WRITE = "read", "write"
 
 
 @dataclasses.dataclass
 class PoolStats:
     lookups: int = 0
-    hits: int = 0  # blocks found by count_hits
+    hits: int = 0  # blocks found by lookups
     misses: int = 0  # blocks not found (first gap ends a lookup)
+    lookups_skipped: int = 0  # answered "miss" at once: reads paused
+    lookup_timeouts: int = 0  # not answered within lookup_wait_s
     loaded_blocks: int = 0
     load_failures: int = 0  # missing or refused values on load
     stored_blocks: int = 0
     skipped_existing: int = 0
-    dropped_stores: int = 0  # over the in-flight limit, or pool down
+    dropped_stores: int = 0  # over the in-flight limit, or writes paused
     limited_loads: int = 0  # blocks not loaded: over the in-flight load limit
     bad_signatures: int = 0  # values refused: unsigned, or a wrong MAC
+    bad_keys: int = 0  # WRONGTYPE keys: a miss, deleted
     bytes_in: int = 0
     bytes_out: int = 0
     errors: int = 0
@@ -66,112 +75,292 @@ class PoolStats:
 
 def make_client(config: PoolConfig, single_node: bool = False):
     """A client built from the config's parsed URL (``single_node``: a plain
-    client even for a cluster, as the startup probe needs)."""
+    client even for a cluster, as the startup probe needs).  No client-side
+    retries: the pool pauses and probes by itself."""
     import redis
 
     kwargs = config.client_kwargs()
     if config.cluster and not single_node:
+        from redis.backoff import NoBackoff
         from redis.cluster import RedisCluster
+        from redis.retry import Retry
 
-        return RedisCluster(**kwargs)
+        # One retry lets the client follow a failover (slots moved).
+        return RedisCluster(retry=Retry(NoBackoff(), 1), **kwargs)
     kwargs.setdefault("db", 0)
-    # No client-side retries (as Redis.from_url): the pool backs off itself.
     return redis.Redis(retry=None, **kwargs)
 
 
-class KVPool:
-    """``io_threads=False``: lookups only (``count_hits``), no store or load
-    threads; what the scheduler side needs."""
+class LookupTicket:
+    """One lookup's answer: ``present`` (a bool per key) once ``done``;
+    ``None`` when the pool could not answer (a miss)."""
 
-    def __init__(self, config: PoolConfig, io_threads: bool = True) -> None:
+    __slots__ = ("keys", "present", "done", "abandoned", "submitted")
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.present: list[bool] | None = None
+        self.done = False
+        self.abandoned = False
+        self.submitted = time.monotonic()
+
+    def _finish(self, present: list[bool] | None) -> None:
+        self.present = present
+        self.done = True
+
+    @property
+    def hits(self) -> int:
+        """Leading keys present (0 if the pool could not answer)."""
+        if not self.present:
+            return 0
+        return next((i for i, p in enumerate(self.present) if not p), len(self.keys))
+
+
+@dataclasses.dataclass
+class _Gate:
+    """Whether reads (or writes) go to the network now."""
+
+    backoff: float
+    reason: Failure | None = None
+    until: float = 0.0
+
+
+class KVPool:
+    """``io_threads=False``: no store or load threads (the scheduler's
+    side).  ``lookups=True``: start the lookup thread now and let it connect
+    in the background, so the first lookup does not pay for the connection
+    (otherwise it starts with the first lookup)."""
+
+    def __init__(
+        self, config: PoolConfig, io_threads: bool = True, lookups: bool = False
+    ) -> None:
         self.config = config
         self.stats = PoolStats()  # since the last take_stats()
         self.totals = PoolStats()  # since start, up to the last take_stats()
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._backoff = config.retry_backoff_s
-        self._last_warning = 0.0
+        self._gates = {
+            READ: _Gate(config.retry_backoff_s),
+            WRITE: _Gate(config.retry_backoff_s),
+        }
+        self._last_warning: dict[Failure, float] = {}
         self._last_drop_warning = 0.0
-        self._inflight_load = 0
         self.misconfigured: str | None = None  # set by probe(): pool disabled
+        self.server_is_cluster: bool | None = None
         self._inflight = 0
+        self._inflight_load = 0
         self._pending_loads = 0
         self._loads_done: collections.deque = collections.deque()
         self._store_q: queue.Queue = queue.Queue()
         self._load_q: queue.Queue = queue.Queue()
-        self._client = None  # scheduler-side calls (count_hits)
-        self._threads = (
-            [
-                threading.Thread(
-                    target=self._run,
-                    args=(self._store_q, self._store),
-                    name="vllm-overlay-pool-store",
-                    daemon=True,
-                ),
-                threading.Thread(
-                    target=self._run,
-                    args=(self._load_q, self._load),
-                    name="vllm-overlay-pool-load",
-                    daemon=True,
-                ),
-            ]
-            if io_threads
-            else []
+        self._lookup_q: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._wake_health = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lookup_thread: threading.Thread | None = None
+        self._lookups_ready = False  # the lookup thread has connected (or failed)
+        self._health_thread: threading.Thread | None = None
+        self._io = io_threads
+        if io_threads:
+            self._start(self._run, self._store_q, self._store, "store")
+            self._start(self._run, self._load_q, self._load, "load")
+        if lookups:
+            self._start_lookups()
+
+    def _start(self, target, *args) -> threading.Thread:
+        thread = threading.Thread(
+            target=target,
+            args=args,
+            name=f"vllm-overlay-pool-{args[-1]}",
+            daemon=True,
         )
-        for thread in self._threads:
-            thread.start()
+        thread.start()
+        self._threads.append(thread)
+        return thread
 
     def _need_io_threads(self) -> None:
-        if not self._threads:
+        if not self._io:
             raise RuntimeError(
                 "this KVPool was created for lookups only "
                 "(io_threads=False): it cannot store or load"
             )
 
     # -- health -----------------------------------------------------------
+    def _open(self, direction: str) -> bool:
+        if self.misconfigured is not None:
+            return False
+        gate = self._gates[direction]
+        if gate.reason is None:
+            return True
+        if gate.reason.whole_pool:  # only the health thread reopens it
+            return False
+        if time.monotonic() >= gate.until:
+            with self._lock:
+                if gate.reason is not None and not gate.reason.whole_pool:
+                    gate.reason = None
+            return True
+        return False
+
+    def reads_open(self) -> bool:
+        """Lookups and loads go to the network now."""
+        return self._open(READ)
+
+    def writes_open(self) -> bool:
+        """Stores go to the network now."""
+        return self._open(WRITE)
+
     def is_down(self) -> bool:
-        return self.misconfigured is not None or time.monotonic() < self._down_until
+        return not self.reads_open()
 
-    def _failed(self, exc: Exception, what: str) -> None:
-        import redis
+    def state(self) -> dict[str, str]:
+        """``{"read": "open" | <failure kind>, "write": ...}``."""
+        out = {}
+        for direction in (READ, WRITE):
+            if self.misconfigured is not None:
+                out[direction] = "misconfigured"
+            elif self._open(direction):
+                out[direction] = "open"
+            else:
+                out[direction] = self._gates[direction].reason.value
+        return out
 
+    def _failed(self, exc: BaseException, what: str, direction: str) -> Failure:
+        """Count, classify and react to a failure; returns its kind."""
+        kind = classify(exc)
         with self._lock:
             self.stats.errors += 1
-            unreachable = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
-            if unreachable:
-                self._down_until = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, self.config.max_retry_backoff_s)
+            if kind is Failure.BAD_KEY:
+                self.stats.bad_keys += 1
+            if kind.whole_pool or (what == "connect" and kind.long_pause):
+                gates = [self._gates[READ], self._gates[WRITE]]
+            elif kind.writes_only:
+                gates = [self._gates[WRITE]]
+            elif kind is Failure.BAD_KEY:
+                gates = []
+            else:
+                gates = [self._gates[direction]]
             now = time.monotonic()
-            if now - self._last_warning >= 30.0:
-                self._last_warning = now
-                logger.warning(
-                    "vllm-overlay KV pool %s: %s failed (%s: %s)%s; requests "
-                    "recompute instead",
-                    self.config.redacted_url,
-                    what,
-                    type(exc).__name__,
-                    self.config.redact(str(exc)),
-                    f", retrying in {self._down_until - now:.0f}s"
-                    if unreachable
-                    else "",
-                )
-
-    def _ok(self) -> None:
-        if self._backoff != self.config.retry_backoff_s:
-            with self._lock:
-                self._backoff = self.config.retry_backoff_s
-            logger.info(
-                "vllm-overlay KV pool %s is reachable again", self.config.redacted_url
+            pause = 0.0
+            for gate in gates:
+                if gate.reason is not None and now < gate.until:
+                    pause = max(pause, gate.until - now)
+                    if gate.reason.whole_pool or not kind.whole_pool:
+                        continue  # already paused for this (or worse)
+                if kind.long_pause:
+                    gate.backoff = self.config.max_retry_backoff_s
+                gate.reason, gate.until = kind, now + gate.backoff
+                pause = max(pause, gate.backoff)
+                gate.backoff = min(gate.backoff * 2, self.config.max_retry_backoff_s)
+            last = self._last_warning.get(kind, -1e9)
+            warn = now - last >= 30.0
+            if warn:
+                self._last_warning[kind] = now
+        if kind.whole_pool:
+            self._ensure_health_thread()
+            self._wake_health.set()
+        if warn:
+            paused = (
+                "reads and writes"
+                if len(gates) == 2
+                else "writes"
+                if kind.writes_only
+                else f"{direction}s"
             )
+            log = logger.error if kind.long_pause else logger.warning
+            log(
+                "vllm-overlay KV pool %s: %s failed, %s (%s: %s); %s; requests "
+                "recompute instead. This message repeats at most every 30 s.",
+                self.config.redacted_url,
+                what,
+                kind.value,
+                type(exc).__name__,
+                self.config.redact(str(exc)),
+                f"{paused} paused for {pause:.1f}s"
+                + (" (until a PING answers)" if kind.whole_pool else "")
+                if gates
+                else "this key only",
+            )
+        return kind
+
+    def _ok(self, direction: str) -> None:
+        gate = self._gates[direction]
+        if gate.backoff != self.config.retry_backoff_s and gate.reason is None:
+            with self._lock:
+                gate.backoff = self.config.retry_backoff_s
+
+    def _ensure_health_thread(self) -> None:
+        with self._lock:
+            if self._health_thread is not None or self._closed.is_set():
+                return
+            self._health_thread = self._start(self._health_loop, "health")
+
+    def _health_loop(self, _name: str) -> None:
+        """Reopen the gates an unreachable or slow pool closed: after the
+        back-off, PING (every node of a cluster); an answer within
+        ``lookup_wait_s`` reopens, anything else doubles the back-off."""
+        client = None
+        while not self._closed.is_set():
+            self._wake_health.wait(timeout=1.0)
+            self._wake_health.clear()
+            while not self._closed.is_set():
+                with self._lock:
+                    closed = [
+                        g
+                        for g in self._gates.values()
+                        if g.reason is not None and g.reason.whole_pool
+                    ]
+                    until = max((g.until for g in closed), default=None)
+                if until is None:
+                    break
+                if self._closed.wait(max(0.0, until - time.monotonic())):
+                    return
+                start = time.monotonic()
+                try:
+                    if client is None:
+                        client = make_client(self.config)
+                    if self.config.cluster:  # every node answers
+                        client.ping(target_nodes=client.ALL_NODES)
+                    else:
+                        client.ping()
+                    latency = time.monotonic() - start
+                    if latency > self.config.lookup_wait_s:
+                        raise PoolTooSlow(
+                            f"PING answered in {latency * 1e3:.0f} ms, more than "
+                            f"lookup_wait_s ({self.config.lookup_wait_s * 1e3:.0f} ms)"
+                        )
+                except Exception as exc:  # noqa: BLE001 - any failure: stay closed
+                    if client is not None:
+                        with contextlib.suppress(Exception):
+                            client.close()
+                        client = None
+                    kind = classify(exc)
+                    with self._lock:
+                        for gate in closed:
+                            gate.reason = kind if kind.whole_pool else gate.reason
+                            gate.until = time.monotonic() + gate.backoff
+                            gate.backoff = min(
+                                gate.backoff * 2, self.config.max_retry_backoff_s
+                            )
+                    continue
+                with self._lock:
+                    for gate in closed:
+                        gate.reason = None
+                logger.info(
+                    "vllm-overlay KV pool %s answers again (PING %.1f ms): "
+                    "lookups, loads and stores resume",
+                    self.config.redacted_url,
+                    (time.monotonic() - start) * 1e3,
+                )
+        if client is not None:
+            client.close()
 
     def probe(self) -> threading.Thread:
         """Check once, in the background, that the pool answers and that it
         is a cluster exactly when ``cluster`` says so; log one warning naming
-        the (redacted) URL if it does not answer.  A cluster mismatch is a
-        configuration error: logged as such, and the pool is disabled
-        (``misconfigured``; every request recomputes) instead of failing on
-        every lookup.  Bounded by ``connect_timeout_s`` and ``timeout_s``;
-        never blocks the caller."""
+        the (redacted) URL if it does not answer (and pause the pool until a
+        PING answers).  A cluster mismatch is a configuration error: logged
+        as such, and the pool is disabled (``misconfigured``; every request
+        recomputes) instead of failing on every lookup.  Never blocks the
+        caller."""
 
         def run() -> None:
             try:
@@ -182,14 +371,16 @@ class KVPool:
                 finally:
                     client.close()
             except Exception as exc:  # noqa: BLE001 - any failure is reported
-                detail = self.config.redact(str(exc))
                 logger.warning(
                     "vllm-overlay KV pool %s cannot be reached at startup "
                     "(%s: %s); requests recompute until it can",
                     self.config.redacted_url,
                     type(exc).__name__,
-                    detail,
+                    self.config.redact(str(exc)),
                 )
+                with self._lock:  # the warning above says it all
+                    self._last_warning[classify(exc)] = time.monotonic()
+                self._failed(exc, "startup check", READ)
                 return
             self.server_is_cluster = bool(int(info.get("cluster_enabled", 0)))
             if self.server_is_cluster != self.config.cluster:
@@ -207,52 +398,153 @@ class KVPool:
                     self.misconfigured,
                 )
 
-        self.server_is_cluster: bool | None = None
         thread = threading.Thread(
             target=run, name="vllm-overlay-pool-probe", daemon=True
         )
         thread.start()
         return thread
 
-    def _connection(self):
-        if self._client is None:
-            self._client = make_client(self.config)
-        return self._client
+    # -- lookups ------------------------------------------------------------
+    def submit_lookup(self, keys: list[bytes]) -> LookupTicket:
+        """Start a lookup; the ticket is done at once (a miss) when reads
+        are paused.  Never blocks."""
+        ticket = LookupTicket(keys)
+        if not keys:
+            ticket._finish([])
+        elif not self.reads_open():
+            with self._lock:
+                self.stats.lookups_skipped += 1
+            ticket._finish(None)
+        else:
+            if self._lookup_thread is None:
+                self._start_lookups()
+            self._lookup_q.put(ticket)
+        return ticket
 
-    # -- scheduler side ---------------------------------------------------
-    def count_hits(self, keys: list[bytes]) -> int:
-        """Number of leading ``keys`` present in the pool (0 when down)."""
-        if not keys or self.is_down():
-            return 0
-        try:
-            if self.config.cluster:  # keys hash to different nodes
-                present = [bool(self._connection().exists(k)) for k in keys]
-            else:
-                pipe = self._connection().pipeline(transaction=False)
-                for key in keys:
-                    pipe.exists(key)
-                present = [bool(x) for x in pipe.execute()]
-        except Exception as exc:  # noqa: BLE001 - any failure is a miss
-            self._failed(exc, "lookup")
-            return 0
-        self._ok()
-        hits = next((i for i, p in enumerate(present) if not p), len(keys))
+    def _start_lookups(self) -> None:
         with self._lock:
-            self.stats.lookups += 1
-            self.stats.hits += hits
-            self.stats.misses += len(keys) - hits
-        return hits
+            if self._lookup_thread is None:
+                self._lookup_thread = self._start(
+                    self._run, self._lookup_q, self._lookup, "lookup"
+                )
+
+    def lookup_wait_s(self) -> float:
+        """How long a caller waits for a lookup: ``lookup_wait_s``, or,
+        until the lookup thread has made its first connection, the connect
+        and socket timeouts (a process starting up may starve that thread
+        of the GIL; the wait is bounded, and other requests run meanwhile)."""
+        if self._lookups_ready:
+            return self.config.lookup_wait_s
+        return self.config.connect_timeout_s + self.config.timeout_s
+
+    def abandon(self, ticket: LookupTicket) -> None:
+        """The caller stopped waiting for ``ticket`` (``lookup_wait_s()``
+        passed): the pool is too slow to help, so it pauses (unless the
+        first connection is still being made: its own failure, if any, is
+        what counts)."""
+        if ticket.done or ticket.abandoned:
+            return
+        ticket.abandoned = True
+        if not self._lookups_ready:
+            return
+        with self._lock:
+            self.stats.lookup_timeouts += 1
+        waited = time.monotonic() - ticket.submitted
+        self._failed(
+            PoolTooSlow(
+                f"no answer to a lookup within {waited * 1e3:.0f} ms "
+                f"(lookup_wait_s {self.config.lookup_wait_s * 1e3:.0f} ms)"
+            ),
+            "lookup",
+            READ,
+        )
+
+    def count_hits(self, keys: list[bytes], timeout_s: float | None = None) -> int:
+        """Blocking lookup for tests and tools (never vLLM's threads):
+        leading ``keys`` present, 0 when the pool cannot answer."""
+        ticket = self.submit_lookup(keys)
+        deadline = time.monotonic() + (
+            timeout_s
+            if timeout_s is not None
+            else self.config.connect_timeout_s + self.config.timeout_s + 1.0
+        )
+        while not ticket.done and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        return ticket.hits
+
+    def _lookup(self, client, first: LookupTicket) -> None:
+        batch = [first]
+        while True:  # every ticket queued meanwhile: one round trip
+            try:
+                batch.append(self._lookup_q.get_nowait())
+            except queue.Empty:
+                break
+        stop = _STOP in batch
+        live = [t for t in batch if t is not _STOP and not t.abandoned]
+        try:
+            if live:
+                if not self.reads_open():
+                    raise _Skipped()
+                pipe = client.pipeline(transaction=False)
+                for ticket in live:
+                    for key in ticket.keys:
+                        pipe.exists(key)
+                answers = pipe.execute()
+                self._ok(READ)
+                i = 0
+                for ticket in live:
+                    present = [bool(a) for a in answers[i : i + len(ticket.keys)]]
+                    i += len(ticket.keys)
+                    hits = next(
+                        (j for j, p in enumerate(present) if not p), len(present)
+                    )
+                    with self._lock:
+                        self.stats.lookups += 1
+                        self.stats.hits += hits
+                        self.stats.misses += len(present) - hits
+                    ticket._finish(present)
+        except _Skipped:
+            with self._lock:
+                self.stats.lookups_skipped += len(live)
+        except Exception as exc:  # noqa: BLE001 - any failure is a miss
+            self._failed(exc, "lookup", READ)
+        finally:
+            for ticket in batch:
+                if ticket is not _STOP and not ticket.done:
+                    ticket._finish(None)
+        if stop:
+            self._lookup_q.put(_STOP)
 
     # -- stores -------------------------------------------------------------
-    def submit_store(self, items: list[tuple[bytes, bytes]]) -> int:
-        """Queue ``(key, value)`` pairs, in prefix order: the leading items
+    def store_room(self, value_bytes: int) -> int:
+        """How many values of ``value_bytes`` a store would admit now (0
+        while writes are paused): lets the caller skip copying blocks that
+        would be dropped."""
+        if not self.writes_open():
+            return 0
+        room = self.config.max_inflight_bytes - self._inflight
+        return max(0, room // max(1, value_bytes))
+
+    def note_dropped(self, blocks: int) -> None:
+        """Blocks the caller did not submit (``store_room`` said no)."""
+        if blocks:
+            with self._lock:
+                self.stats.dropped_stores += blocks
+            if self.writes_open():
+                self._warn_dropped("store", 0, blocks, self.config.max_inflight_bytes)
+
+    def submit_store(self, items: list[tuple[bytes, object]], encode=None) -> int:
+        """Queue ``(key, payload)`` pairs, in prefix order: the leading items
         that fit under ``max_inflight_bytes`` are admitted; from the first
         one that does not, the rest are dropped (a block is useless without
-        its predecessors).  Returns the number admitted (0: all dropped)."""
+        its predecessors).  ``encode(key, payload) -> bytes`` runs on the
+        store thread (``None``: payloads are the values).  Returns the
+        number admitted (0: all dropped)."""
         self._need_io_threads()
+        open_ = self.writes_open()
         with self._lock:
             admitted, size = 0, 0
-            if not self.is_down():
+            if open_:
                 room = self.config.max_inflight_bytes - self._inflight
                 for _, value in items:
                     if size + len(value) > room:
@@ -262,12 +554,12 @@ class KVPool:
             dropped = len(items) - admitted
             self.stats.dropped_stores += dropped
             self._inflight += size
-        if dropped and not self.is_down():
+        if dropped and open_:
             self._warn_dropped(
                 "store", admitted, dropped, self.config.max_inflight_bytes
             )
         if admitted:
-            self._store_q.put((items[:admitted], size))
+            self._store_q.put((items[:admitted], size, encode))
         return admitted
 
     def _warn_dropped(self, what: str, kept: int, dropped: int, limit: int) -> None:
@@ -296,18 +588,20 @@ class KVPool:
 
     def _store(self, client, job) -> None:
         if job[0] == "delete":
+            if not self.writes_open():
+                return  # a later load refuses the value again
             try:
-                if self.config.cluster:  # keys live on different nodes
-                    for key in job[1]:
-                        client.delete(key)
-                else:
-                    client.delete(*job[1])
+                pipe = client.pipeline(transaction=False)
+                for key in job[1]:
+                    pipe.delete(key)
+                pipe.execute()
             except Exception as exc:  # noqa: BLE001
-                self._failed(exc, "delete")
+                self._failed(exc, "delete", WRITE)
             return
-        items, size = job
+        items, size, encode = job
+        stored = 0
         try:
-            if self.is_down():
+            if not self.writes_open():
                 raise _Skipped()
             start = time.perf_counter()
             pipe = client.pipeline(transaction=False)
@@ -315,35 +609,50 @@ class KVPool:
                 pipe.exists(key)
             present = pipe.execute()
             todo = [(k, v) for (k, v), p in zip(items, present) if not p]
+            values = [(k, encode(k, v) if encode else v) for k, v in todo]
             pipe = client.pipeline(transaction=False)
-            for key, value in todo:
+            for key, value in values:
                 pipe.set(key, value, nx=True, ex=self.config.ttl_s)
-            pipe.execute()
+            answers = pipe.execute(raise_on_error=False)
             elapsed = time.perf_counter() - start
+            failure = next((a for a in answers if isinstance(a, Exception)), None)
+            stored = sum(1 for a in answers if not isinstance(a, Exception))
             with self._lock:
-                self.stats.stored_blocks += len(todo)
+                self.stats.stored_blocks += stored
+                self.stats.dropped_stores += len(values) - stored
                 self.stats.skipped_existing += len(items) - len(todo)
-                self.stats.bytes_out += sum(len(v) for _, v in todo)
+                self.stats.bytes_out += sum(
+                    len(v)
+                    for (_, v), a in zip(values, answers)
+                    if not isinstance(a, Exception)
+                )
                 self.stats.io_seconds_out += elapsed
-            self._ok()
+            if failure is not None:
+                self._failed(failure, "store", WRITE)
+            else:
+                self._ok(WRITE)
         except _Skipped:
             with self._lock:
                 self.stats.dropped_stores += len(items)
         except Exception as exc:  # noqa: BLE001
             with self._lock:
-                self.stats.dropped_stores += len(items)
-            self._failed(exc, "store")
+                self.stats.dropped_stores += len(items) - stored
+            self._failed(exc, "store", WRITE)
         finally:
             with self._lock:
                 self._inflight -= size
 
     # -- loads ----------------------------------------------------------------
-    def submit_load(self, job_id, keys: list[bytes], value_bytes: int = 0) -> int:
+    def submit_load(
+        self, job_id, keys: list[bytes], value_bytes: int = 0, prepare=None
+    ) -> int:
         """Fetch ``keys`` in the background.  With ``value_bytes`` (the size
         of one value), only the leading keys that fit under the in-flight
         load limit are fetched; the others come back as None, so the caller
-        reports them as load errors and vLLM recomputes them.  Returns the
-        number of keys fetched."""
+        reports them as load errors and vLLM recomputes them.  ``prepare``
+        (values -> anything) runs on the load thread; ``poll_loads`` then
+        returns its result instead of the values.  Returns the number of
+        keys fetched."""
         self._need_io_threads()
         limit = self.config.load_limit_bytes
         with self._lock:
@@ -357,42 +666,56 @@ class KVPool:
             self._pending_loads += 1
         if n < len(keys):
             self._warn_dropped("load", n, len(keys) - n, limit)
-        self._load_q.put((job_id, keys, n, size))
+        self._load_q.put((job_id, keys, n, size, prepare))
         return n
 
-    def poll_loads(self) -> list[tuple[object, list[bytes | None]]]:
+    def poll_loads(self) -> list[tuple[object, object]]:
         done = []
         while self._loads_done:
             done.append(self._loads_done.popleft())
         return done
 
     def _load(self, client, job) -> None:
-        job_id, keys, n, size = job
+        job_id, keys, n, size, prepare = job
         values: list[bytes | None] = [None] * len(keys)
         try:
-            if self.is_down():
+            if n and not self.reads_open():
                 raise _Skipped()
             start = time.perf_counter()
-            if self.config.cluster:
-                values[:n] = [client.get(k) for k in keys[:n]]
-            elif n:
+            if n:
                 pipe = client.pipeline(transaction=False)
                 for key in keys[:n]:
                     pipe.get(key)
-                values[:n] = pipe.execute()
+                answers = pipe.execute(raise_on_error=False)
+                bad_keys = []
+                for i, answer in enumerate(answers):
+                    if isinstance(answer, Exception):
+                        if self._failed(answer, "load", READ) is Failure.BAD_KEY:
+                            bad_keys.append(keys[i])
+                    else:
+                        values[i] = answer
+                if bad_keys:
+                    self.submit_delete(bad_keys)
             with self._lock:
                 self.stats.bytes_in += sum(len(v) for v in values if v)
                 self.stats.io_seconds_in += time.perf_counter() - start
-            self._ok()
+            self._ok(READ)
         except _Skipped:
             pass
         except Exception as exc:  # noqa: BLE001
             values = [None] * len(keys)
-            self._failed(exc, "load")
-        self._loads_done.append((job_id, values))
+            self._failed(exc, "load", READ)
+        result = values
+        if prepare is not None:
+            try:
+                result = prepare(values)
+            except Exception:  # noqa: BLE001 - a bug: the caller sees None
+                logger.exception("vllm-overlay KV pool: preparing a load failed")
+                result = None
         with self._lock:
             self._pending_loads -= 1
             self._inflight_load -= size
+        self._loads_done.append((job_id, result))
 
     def record_load(self, loaded: int, failed: int, bad_signatures: int = 0) -> None:
         with self._lock:
@@ -401,34 +724,52 @@ class KVPool:
             self.stats.bad_signatures += bad_signatures
 
     # -- threads ----------------------------------------------------------------
-    def _run(self, jobs: queue.Queue, handle) -> None:
+    def _run(self, jobs: queue.Queue, handle, what: str) -> None:
         client = None
+        direction = WRITE if what == "store" else READ
+        # Connect, and run one pipeline (redis-py imports lazily on first
+        # use), before the first job needs it.
+        try:
+            client = make_client(self.config)
+            pipe = client.pipeline(transaction=False)
+            pipe.exists(b"vkv:warm-up")
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "connect", direction)
+        if what == "lookup":
+            self._lookups_ready = True
         while True:
             job = jobs.get()
             if job is _STOP:
                 return
-            if client is None:
+            if client is None and (
+                self.reads_open() if direction == READ else self.writes_open()
+            ):
                 try:
                     client = make_client(self.config)
                 except Exception as exc:  # noqa: BLE001
-                    self._failed(exc, "connect")
-            if client is not None:
-                handle(client, job)
-            else:  # cannot even build a client: fail the job
-                handle(_Unreachable(), job)
+                    self._failed(exc, "connect", direction)
+            # Without a client the handler sees the gate closed or fails.
+            handle(client if client is not None else _Unreachable(), job)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until queued stores and loads are done (tests, shutdown)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if self._inflight == 0 and self._pending_loads == 0:
+                if (
+                    self._inflight == 0
+                    and self._pending_loads == 0
+                    and self._store_q.empty()
+                ):
                     return True
             time.sleep(0.01)
         return False
 
     def close(self) -> None:
-        for q in (self._store_q, self._load_q):
+        self._closed.set()
+        self._wake_health.set()
+        for q in (self._store_q, self._load_q, self._lookup_q):
             q.put(_STOP)
         for thread in self._threads:
             thread.join(timeout=5)
@@ -457,9 +798,7 @@ class _Skipped(Exception):
 class _Unreachable:
     """Stands in for a client that could not be created."""
 
-    def _fail(self, *args, **kwargs):
+    def pipeline(self, *args, **kwargs):
         import redis
 
-        raise redis.ConnectionError("pool unreachable")
-
-    pipeline = get = exists = _fail
+        raise redis.ConnectionError("pool unreachable (no client)")

@@ -1,0 +1,285 @@
+"""Shared KV pool liveness: an engine keeps its decode throughput whatever
+the pool does, measured side by side in one run.
+
+One vLLM engine process per configuration (tiny model, CPU build, the
+scheduler in-process so its connector calls can be timed), all started
+first and then driven in interleaved rounds (each round visits every
+configuration, the order rotated from round to round):
+
+* ``no pool``      - stock vLLM: no KV connector (the reference)
+* ``pool ok``      - SharedKVPoolConnector, healthy redis-server
+* ``hung``         - a loopback socket that accepts and never answers
+* ``slow``         - redis-server kept busy by back-to-back ``DEBUG SLEEP 1.4``
+                     (every reply takes up to 1.4 s, under ``timeout_s``)
+* ``unreachable``  - a closed port
+* ``full``         - redis-server at ``maxmemory`` with ``noeviction`` (OOM)
+* ``cluster node hung`` - 3-node Redis Cluster, one node stopped (SIGSTOP)
+
+A round: 8 new prompts that share no prefix (with each other, earlier
+rounds or the pool) generate 64 tokens each in one batch: decode tok/s =
+generated tokens after each request's first / (last token - first first
+token), from vLLM's own request timestamps; then 2 prompts whose prefix
+round 1 sent (after ``reset_prefix_cache``: only the pool could
+serve it) must complete with the no-pool engine's tokens.  The slowest
+scheduler-side connector call (``get_num_new_matched_tokens``,
+``build_connector_meta``, ``update_connector_output``) is recorded too.
+
+    python benchmarks/bench_pool_liveness.py [--repeats 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+N_NEW, MAX_TOKENS, N_PREFIX = 8, 64, 2
+POOL_OPTIONS = {"namespace": "liveness", "timeout_s": 2.0, "connect_timeout_s": 1.0}
+
+
+def prompt(round_: int, i: int, words: int = 160) -> str:
+    """A prompt unique to (round, i): the first word differs."""
+    return " ".join(
+        f"w{(round_ * 7919 + i * 104729 + j * 31) % 5000}" for j in range(words)
+    )
+
+
+def prefix_prompt(round_: int, i: int) -> str:
+    """Round 1's prompt i with another ending: a prefix the pool may hold."""
+    return prompt(1, i) + f" and then r{round_}"
+
+
+# -- engine process ----------------------------------------------------------
+def engine(spec: dict) -> None:
+    from vllm_overlay.demo import cpu_defaults, tiny_model_path
+
+    cpu_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if spec.get("url"):
+        extra = {"url": spec["url"], **POOL_OPTIONS}
+        if spec.get("cluster"):
+            extra["cluster"] = True
+        kv = KVTransferConfig(
+            kv_connector="SharedKVPoolConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=1024,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,  # request timestamps
+        kv_transfer_config=kv,
+    )
+    slowest = {"ms": 0.0}
+    if kv is not None:
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        for name in (
+            "get_num_new_matched_tokens",
+            "build_connector_meta",
+            "update_connector_output",
+        ):
+            real = getattr(connector, name)
+
+            def timed(*args, _real=real, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    ms = (time.perf_counter() - start) * 1e3
+                    slowest["ms"] = max(slowest["ms"], ms)
+
+            setattr(connector, name, timed)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prefix_params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm.generate([prompt(-1, 0)], params, use_tqdm=False)  # warm-up
+    print("READY", flush=True)
+    for line in sys.stdin:
+        round_ = int(line)
+        slowest["ms"] = 0.0
+        start = time.perf_counter()
+        outs = llm.generate(
+            [prompt(round_, i) for i in range(N_NEW)], params, use_tqdm=False
+        )
+        wall = time.perf_counter() - start
+        stats = [o.metrics for o in outs]
+        decoded = sum(s.num_generation_tokens - 1 for s in stats)
+        window = max(s.last_token_ts for s in stats) - min(
+            s.first_token_ts for s in stats
+        )
+        llm.reset_prefix_cache()
+        prefix = llm.generate(
+            [prefix_prompt(round_, i) for i in range(N_PREFIX)],
+            prefix_params,
+            use_tqdm=False,
+        )
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "decode_tok_s": decoded / window,
+                    "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs)
+                    / wall,
+                    "slowest_call_ms": slowest["ms"],
+                    "prefix_tokens": [list(o.outputs[0].token_ids) for o in prefix],
+                    "prefix_cached": [o.num_cached_tokens or 0 for o in prefix],
+                }
+            ),
+            flush=True,
+        )
+
+
+# -- driver --------------------------------------------------------------------
+class Engine:
+    def __init__(self, name: str, spec: dict) -> None:
+        self.name = name
+        env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "0"}
+        log = f"/tmp/bench_pool_liveness_{name.replace(' ', '_')}.log"
+        self.log = open(log, "w")  # noqa: SIM115 - open while the engine runs
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--engine", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+
+    def wait_ready(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("READY"):
+                return
+        raise RuntimeError(f"engine {self.name!r} exited; see {self.log.name}")
+
+    def round(self, round_: int) -> dict:
+        self.proc.stdin.write(f"{round_}\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise RuntimeError(f"engine {self.name!r} exited; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine:
+        engine(json.loads(args.engine))
+        return
+
+    import contextlib
+
+    from support.redis_server import (
+        HungServer,
+        RedisServer,
+        SlowServer,
+        free_port,
+        redis_cluster,
+    )
+
+    with contextlib.ExitStack() as stack:
+        healthy = RedisServer()
+        slow_server = RedisServer("--enable-debug-command", "yes")
+        full = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+        for server in (healthy, slow_server, full):
+            stack.callback(server.stop)
+        # Fill the full one until it refuses writes.
+        for i in range(100):
+            if "OOM" in full.cli("set", f"filler{i}", "x" * 100_000):
+                break
+        hung = HungServer()
+        stack.callback(hung.close)
+        cluster = stack.enter_context(redis_cluster())
+        closed = f"redis://127.0.0.1:{free_port()}"
+        specs = {
+            "no pool": {},
+            "pool ok": {"url": healthy.url},
+            "hung": {"url": hung.url},
+            "slow": {"url": slow_server.url},
+            "unreachable": {"url": closed},
+            "full": {"url": full.url},
+            "cluster node hung": {"url": cluster[0].url, "cluster": True},
+        }
+        engines = {}
+        for name, spec in specs.items():  # one at a time: 2 cores
+            engines[name] = Engine(name, spec)
+            engines[name].wait_ready()
+            print(f"engine ready: {name}", flush=True)
+        for e in engines.values():
+            stack.callback(e.stop)
+        # The failures that need a running engine's connection first.
+        slow = SlowServer(slow_server, 1.4)
+        stack.callback(slow.stop)
+        cluster[2].pause()
+        stack.callback(cluster[2].resume)
+
+        names = list(engines)
+        results: dict[str, list[dict]] = {n: [] for n in names}
+        for r in range(args.repeats):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                results[name].append(engines[name].round(r + 1))
+            print(f"round {r + 1}/{args.repeats}: {order}", flush=True)
+
+    report(results, args.repeats)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def report(results: dict[str, list[dict]], repeats: int) -> None:
+    base = results["no pool"]
+    print()
+    print(
+        f"Decode throughput vs. no pool connector ({repeats} interleaved rounds; "
+        f"{N_NEW} new prompts x {MAX_TOKENS} tokens per round; ratio per round "
+        "= config / no pool in the same round)"
+    )
+    header = (
+        "| configuration | decode tok/s (median) | ratio to no pool: median "
+        "[min, max] | output tok/s incl. prefill, ratio median | slowest "
+        "scheduler-side connector call (ms, max) | prefix requests: same "
+        "tokens as no pool | prefix tokens served by the pool |"
+    )
+    print(header)
+    print("|" + "---|" * 7)
+    for name, runs in results.items():
+        ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(runs, base)]
+        out_ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs, base)]
+        same = sum(a["prefix_tokens"] == b["prefix_tokens"] for a, b in zip(runs, base))
+        cached = sum(sum(a["prefix_cached"]) for a in runs)
+        slowest = (
+            f"{max(a['slowest_call_ms'] for a in runs):.1f}"
+            if name != "no pool"
+            else "-"
+        )
+        print(
+            f"| {name} | {statistics.median(a['decode_tok_s'] for a in runs):.0f} "
+            f"| {statistics.median(ratios):.3f} [{min(ratios):.3f}, "
+            f"{max(ratios):.3f}] | {statistics.median(out_ratios):.3f} "
+            f"| {slowest} | {same}/{len(runs)} rounds | {cached} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
