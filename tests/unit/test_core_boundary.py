@@ -60,6 +60,7 @@ def test_every_core_module_imports_without_vllm():
             "pool",
             "pool.codec",
             "pool.config",
+            "pool.errors",
             "pool.pool",
         )
     }
