@@ -18,7 +18,7 @@ configuration, the order rotated from round to round):
 A round: 8 new prompts that share no prefix (with each other, earlier
 rounds or the pool) generate 64 tokens each in one batch: decode tok/s =
 generated tokens after each request's first / (last token - first first
-token), from vLLM's own request timestamps; then 2 prompts whose prefix
+token), timed as ``LLMEngine.step()`` returns them; then 2 prompts whose prefix
 round 1 sent (after ``reset_prefix_cache``: only the pool could
 serve it) must complete with the no-pool engine's tokens.  The slowest
 scheduler-side connector call (``get_num_new_matched_tokens``,
@@ -82,9 +82,9 @@ def engine(spec: dict) -> None:
         max_model_len=1024,
         enforce_eager=True,
         seed=0,
-        disable_log_stats=False,  # request timestamps
         kv_transfer_config=kv,
     )
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     slowest = {"ms": 0.0}
     if kv is not None:
         connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -104,24 +104,45 @@ def engine(spec: dict) -> None:
                     slowest["ms"] = max(slowest["ms"], ms)
 
             setattr(connector, name, timed)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    from vllm.sampling_params import RequestOutputKind
+
+    # LLM.generate switches its params to FINAL_ONLY; the timed batch needs
+    # an output every step.
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.CUMULATIVE,
+    )
     prefix_params = SamplingParams(temperature=0.0, max_tokens=8)
-    llm.generate([prompt(-1, 0)], params, use_tqdm=False)  # warm-up
+    llm.generate([prompt(-1, 0)], prefix_params, use_tqdm=False)  # warm-up
     print("READY", flush=True)
+    engine_ = llm.llm_engine
     for line in sys.stdin:
         round_ = int(line)
         slowest["ms"] = 0.0
         start = time.perf_counter()
-        outs = llm.generate(
-            [prompt(round_, i) for i in range(N_NEW)], params, use_tqdm=False
-        )
+        for i in range(N_NEW):
+            engine_.add_request(f"r{round_}-{i}", prompt(round_, i), params)
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        while engine_.has_unfinished_requests():
+            for out in engine_.step():
+                now = time.perf_counter()
+                n = len(out.outputs[0].token_ids)
+                if n:
+                    first.setdefault(out.request_id, now)
+                    last[out.request_id] = now
+                    tokens[out.request_id] = n
         wall = time.perf_counter() - start
-        stats = [o.metrics for o in outs]
-        decoded = sum(s.num_generation_tokens - 1 for s in stats)
-        window = max(s.last_token_ts for s in stats) - min(
-            s.first_token_ts for s in stats
-        )
-        llm.reset_prefix_cache()
+        decoded = sum(n - 1 for n in tokens.values())
+        window = max(last.values()) - min(first.values())
+        # Only the pool may serve the prefixes now (the finished requests'
+        # blocks are free once their stores are handed over).
+        llm.generate(["hi"], prefix_params, use_tqdm=False)  # reports them
+        if not scheduler.reset_prefix_cache():
+            raise RuntimeError("the device prefix cache cannot be reset")
         prefix = llm.generate(
             [prefix_prompt(round_, i) for i in range(N_PREFIX)],
             prefix_params,
@@ -132,8 +153,7 @@ def engine(spec: dict) -> None:
             + json.dumps(
                 {
                     "decode_tok_s": decoded / window,
-                    "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs)
-                    / wall,
+                    "output_tok_s": sum(tokens.values()) / wall,
                     "slowest_call_ms": slowest["ms"],
                     "prefix_tokens": [list(o.outputs[0].token_ids) for o in prefix],
                     "prefix_cached": [o.num_cached_tokens or 0 for o in prefix],

@@ -135,6 +135,14 @@ def main(config: dict) -> dict:
         passes.append(run("third"))
     result = {"passes": passes}
     if scheduler_connector is not None:
+        # Every block must be back once the requests are done: a request
+        # whose stores the worker dropped must still be reported finished
+        # sending.  A last short request (no full block: nothing to store)
+        # runs the steps that report them; then a prefix cache reset
+        # succeeds only if no block is held.
+        llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        result["all_blocks_freed"] = scheduler.reset_prefix_cache()
         result["worker"] = llm.collective_rpc(worker_pool_totals)[0]
         result["scheduler"] = scheduler_connector.pool.cumulative()
         result["namespace"] = scheduler_connector.ns.hex()

@@ -72,6 +72,7 @@ def test_second_node_loads_what_the_first_computed(pool_node, stock):
     assert second.result["worker"]["loaded_blocks"] == 5
     assert second.result["worker"]["load_failures"] == 0
     assert second.result["worker"]["bytes_in"] == first.result["worker"]["bytes_out"]
+    assert first.result["all_blocks_freed"] and second.result["all_blocks_freed"]
     assert [x["cached_tokens"] for x in second.passes[0]] == [3 * BLOCK, 2 * BLOCK]
     # The first node computed everything: stock's cold pass.
     assert tokens(first) == tokens(stock["shared"])
@@ -169,6 +170,7 @@ def test_server_killed_mid_run_then_back(pool_node, stock):
     assert [x["logprobs"] for x in down] == logprobs(stock["other"])
     worker = run.result["worker"]
     assert worker["errors"] >= 1 and worker["dropped_stores"] >= 1
+    assert run.result["all_blocks_freed"]  # dropped stores hold no blocks
     assert "paused for" in run.log and "until a PING answers" in run.log
     assert "answers again" in run.log
     assert after >= 1  # the third pass wrote to the restarted server

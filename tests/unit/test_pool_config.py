@@ -41,6 +41,9 @@ NOT_PEM = pathlib.Path(__file__)  # a readable file that is no CA bundle
         ({"url": "redis://h", "timeout_s": math.nan}, "timeout_s"),
         ({"url": "redis://h", "timeout_s": math.inf}, "timeout_s"),
         ({"url": "redis://h", "connect_timeout_s": math.inf}, "connect_timeout_s"),
+        ({"url": "redis://h", "lookup_wait_s": math.nan}, "lookup_wait_s"),
+        ({"url": "redis://h", "lookup_wait_s": 0}, "lookup_wait_s"),
+        ({"url": "redis://h", "lookup_wait_s": "fast"}, "lookup_wait_s"),
         ({"url": "redis://h", "retry_backoff_s": math.nan}, "retry_backoff_s"),
         (
             {"url": "redis://h", "retry_backoff_s": 5.0, "max_retry_backoff_s": 1.0},

@@ -122,6 +122,9 @@ class SharedPoolWorker:
         store thread encodes and writes them."""
         value_bytes = self._table.block_bytes + codec.HEADER_BYTES
         for req_id, (block_ids, chain) in meta.stores.items():
+            # The scheduler holds the request's blocks until we report it
+            # finished sending: report it even when nothing is copied.
+            self._stored_reqs.add(req_id)
             room = self.pool.store_room(value_bytes)
             if room < len(block_ids):  # prefix order: keep the leading ones
                 self.pool.note_dropped(len(block_ids) - room)
@@ -144,7 +147,6 @@ class SharedPoolWorker:
             else:
                 gather(self._table, ids, staging, "dma")
             self._pending_copies.setdefault(req_id, []).append((event, staging, chain))
-            self._stored_reqs.add(req_id)
 
     def _encode(self, key: bytes, payload) -> bytes:
         """Runs on the pool's store thread."""
