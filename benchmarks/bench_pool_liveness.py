@@ -15,12 +15,14 @@ configuration, the order rotated from round to round):
 * ``full``         - redis-server at ``maxmemory`` with ``noeviction`` (OOM)
 * ``cluster node hung`` - 3-node Redis Cluster, one node stopped (SIGSTOP)
 
-A round: 8 new prompts that share no prefix (with each other, earlier
-rounds or the pool) generate 64 tokens each in one batch: decode tok/s =
-generated tokens after each request's first / (last token - first first
-token), timed as ``LLMEngine.step()`` returns them; then 2 prompts whose prefix
-round 1 sent (after ``reset_prefix_cache``: only the pool could
-serve it) must complete with the no-pool engine's tokens.  The slowest
+A round: 16 new prompts that share no prefix (with each other, earlier
+rounds or the pool) generate 384 tokens each in one batch: decode tok/s =
+tokens generated in the steps after every request has its first token /
+the time of those steps (``LLMEngine.step()`` timed here: prefill and
+lookups excluded); output tok/s = all tokens / the round's wall time.
+Then 2 prompts whose prefix round 1 sent (after ``reset_prefix_cache``:
+only the pool could serve it) must complete with the no-pool engine's
+tokens.  The slowest
 scheduler-side connector call (``get_num_new_matched_tokens``,
 ``build_connector_meta``, ``update_connector_output``) is recorded too.
 
@@ -41,7 +43,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-N_NEW, MAX_TOKENS, N_PREFIX = 8, 64, 2
+N_NEW, MAX_TOKENS, N_PREFIX = 16, 384, 2
 POOL_OPTIONS = {"namespace": "liveness", "timeout_s": 2.0, "connect_timeout_s": 1.0}
 
 
@@ -124,20 +126,26 @@ def engine(spec: dict) -> None:
         start = time.perf_counter()
         for i in range(N_NEW):
             engine_.add_request(f"r{round_}-{i}", prompt(round_, i), params)
-        first: dict[str, float] = {}
-        last: dict[str, float] = {}
         tokens: dict[str, int] = {}
+        decode_start = None  # every request has its first token
+        decoded = 0
         while engine_.has_unfinished_requests():
-            for out in engine_.step():
-                now = time.perf_counter()
+            outs = engine_.step()
+            now = time.perf_counter()
+            new = 0
+            for out in outs:
                 n = len(out.outputs[0].token_ids)
-                if n:
-                    first.setdefault(out.request_id, now)
-                    last[out.request_id] = now
-                    tokens[out.request_id] = n
-        wall = time.perf_counter() - start
-        decoded = sum(n - 1 for n in tokens.values())
-        window = max(last.values()) - min(first.values())
+                new += n - tokens.get(out.request_id, 0)
+                tokens[out.request_id] = n
+            if decode_start is not None:
+                decoded += new
+            elif len(tokens) == N_NEW:
+                decode_start = now  # prefill over: decode steps from here
+                cpu_start = time.process_time()
+        end = time.perf_counter()
+        cpu = time.process_time() - cpu_start  # all threads of this engine
+        wall = end - start
+        window = end - decode_start
         # Only the pool may serve the prefixes now (the finished requests'
         # blocks are free once their stores are handed over).
         llm.generate(["hi"], prefix_params, use_tqdm=False)  # reports them
@@ -153,6 +161,7 @@ def engine(spec: dict) -> None:
             + json.dumps(
                 {
                     "decode_tok_s": decoded / window,
+                    "cpu_ms_per_token": cpu * 1e3 / decoded,
                     "output_tok_s": sum(tokens.values()) / wall,
                     "slowest_call_ms": slowest["ms"],
                     "prefix_tokens": [list(o.outputs[0].token_ids) for o in prefix],
@@ -167,7 +176,15 @@ def engine(spec: dict) -> None:
 class Engine:
     def __init__(self, name: str, spec: dict) -> None:
         self.name = name
-        env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "0"}
+        env = {
+            **os.environ,
+            "TORCHDYNAMO_DISABLE": "1",
+            "TOKENIZERS_PARALLELISM": "0",
+            # One compute thread per engine: the other core is left to the
+            # pool's threads, redis-server and the machine (2 cores here),
+            # which makes the comparison far less noisy.
+            "OMP_NUM_THREADS": os.environ.get("BENCH_OMP_THREADS", "1"),
+        }
         log = f"/tmp/bench_pool_liveness_{name.replace(' ', '_')}.log"
         self.log = open(log, "w")  # noqa: SIM115 - open while the engine runs
         self.proc = subprocess.Popen(
@@ -234,6 +251,7 @@ def main() -> None:
         closed = f"redis://127.0.0.1:{free_port()}"
         specs = {
             "no pool": {},
+            "no pool (a 2nd engine: the noise floor)": {},
             "pool ok": {"url": healthy.url},
             "hung": {"url": hung.url},
             "slow": {"url": slow_server.url},
@@ -254,50 +272,62 @@ def main() -> None:
         cluster[2].pause()
         stack.callback(cluster[2].resume)
 
-        names = list(engines)
-        results: dict[str, list[dict]] = {n: [] for n in names}
+        # Each configuration is paired with a "no pool" run right next to
+        # it (no pool first in even rounds, second in odd ones: ABBA), and
+        # its ratio is taken against that run only.
+        others = [n for n in engines if n != "no pool"]
+        results: dict[str, list[tuple[dict, dict]]] = {n: [] for n in others}
         for r in range(args.repeats):
-            order = names[r % len(names) :] + names[: r % len(names)]
+            order = others[r % len(others) :] + others[: r % len(others)]
             for name in order:
-                results[name].append(engines[name].round(r + 1))
-            print(f"round {r + 1}/{args.repeats}: {order}", flush=True)
+                pair = ["no pool", name] if r % 2 == 0 else [name, "no pool"]
+                out = {}
+                for who in pair:
+                    time.sleep(0.5)  # let the last engine's OpenMP threads idle
+                    out[who] = engines[who].round(r + 1)
+                results[name].append((out[name], out["no pool"]))
+            print(f"round {r + 1}/{args.repeats} done", flush=True)
 
     report(results, args.repeats)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def report(results: dict[str, list[dict]], repeats: int) -> None:
-    base = results["no pool"]
+def report(results: dict[str, list[tuple[dict, dict]]], repeats: int) -> None:
     print()
     print(
-        f"Decode throughput vs. no pool connector ({repeats} interleaved rounds; "
-        f"{N_NEW} new prompts x {MAX_TOKENS} tokens per round; ratio per round "
-        "= config / no pool in the same round)"
+        f"Decode throughput vs. no pool connector ({repeats} rounds; "
+        f"{N_NEW} new prompts x {MAX_TOKENS} tokens per run; each run paired "
+        "with a no-pool run next to it, ABBA; ratio = config / its pair)"
     )
-    header = (
-        "| configuration | decode tok/s (median) | ratio to no pool: median "
-        "[min, max] | output tok/s incl. prefill, ratio median | slowest "
-        "scheduler-side connector call (ms, max) | prefix requests: same "
-        "tokens as no pool | prefix tokens served by the pool |"
+    print(
+        "| configuration | decode tok/s (median) | decode ratio to no pool: "
+        "median [min, max] | engine CPU time per decoded token: ratio "
+        "median [min, max] | output tok/s incl. prefill: ratio median | "
+        "slowest scheduler-side connector call (ms, max) | prefix requests: "
+        "same tokens as no pool | prefix tokens served by the pool (all rounds) |"
     )
-    print(header)
-    print("|" + "---|" * 7)
-    for name, runs in results.items():
-        ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(runs, base)]
-        out_ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs, base)]
-        same = sum(a["prefix_tokens"] == b["prefix_tokens"] for a, b in zip(runs, base))
-        cached = sum(sum(a["prefix_cached"]) for a in runs)
+    print("|" + "---|" * 8)
+    base = [b["decode_tok_s"] for pairs in results.values() for _, b in pairs]
+    print(f"| no pool | {statistics.median(base):.0f} | 1 | 1 | 1 | - | - | 0 |")
+    for name, pairs in results.items():
+        ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in pairs]
+        out_ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in pairs]
+        cpu = [a["cpu_ms_per_token"] / b["cpu_ms_per_token"] for a, b in pairs]
+        same = sum(a["prefix_tokens"] == b["prefix_tokens"] for a, b in pairs)
+        cached = sum(sum(a["prefix_cached"]) for a, _ in pairs)
         slowest = (
-            f"{max(a['slowest_call_ms'] for a in runs):.1f}"
-            if name != "no pool"
+            f"{max(a['slowest_call_ms'] for a, _ in pairs):.1f}"
+            if "no pool" not in name
             else "-"
         )
+        median = statistics.median(a["decode_tok_s"] for a, _ in pairs)
         print(
-            f"| {name} | {statistics.median(a['decode_tok_s'] for a in runs):.0f} "
-            f"| {statistics.median(ratios):.3f} [{min(ratios):.3f}, "
-            f"{max(ratios):.3f}] | {statistics.median(out_ratios):.3f} "
-            f"| {slowest} | {same}/{len(runs)} rounds | {cached} |"
+            f"| {name} | {median:.0f} | {statistics.median(ratios):.3f} "
+            f"[{min(ratios):.3f}, {max(ratios):.3f}] | "
+            f"{statistics.median(cpu):.3f} [{min(cpu):.3f}, {max(cpu):.3f}] | "
+            f"{statistics.median(out_ratios):.3f} | {slowest} | "
+            f"{same}/{len(pairs)} | {cached} |"
         )
 
 
