@@ -25,7 +25,7 @@ failure.
 
 ``kv_connector_extra_config``: ``url`` (redis://, rediss://, valkey://,
 valkeys://, with user:password@), ``cluster`` (bool), ``namespace``,
-``connect_timeout_s``, ``timeout_s``, ``max_inflight_bytes``,
+``connect_timeout_s``, ``timeout_s``, ``lookup_wait_s``, ``max_inflight_bytes``,
 ``max_inflight_load_bytes``, ``ttl_s``, ``retry_backoff_s``,
 ``max_retry_backoff_s``, ``tls_ca_file``, ``secret_file``, ``secret_env``.
 
