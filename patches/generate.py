@@ -8,6 +8,13 @@ their diffs add the overlay's modules to the vLLM tree under upstream module
 names (imports rewritten by ``MODULES``) and register the connectors and the
 offloading spec in vLLM's factories.  ``tests/unit/test_patch_series.py``
 runs ``--check``: a runtime module that changes without its diff fails.
+
+A new file is written in vLLM's style (``upstream_style``): the SPDX header,
+``init_logger(__name__)`` for the overlay's ``logging.getLogger``, Triton
+through ``vllm.triton_utils``, ``import regex as re``; then ruff 0.14 (the
+version vLLM 0.11.2's pre-commit pins, this interpreter's ``-m ruff``) fixes
+and formats the text with vLLM's ruff settings (``VLLM_RUFF``).
+``patches/tools/check_upstream.py`` runs vLLM's hooks on the patched tree.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import difflib
 import importlib.util
 import pathlib
 import re
+import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
@@ -197,6 +206,98 @@ def rewrite(text: str, origin: str) -> str:
     return text
 
 
+SPDX_HEADER = (
+    "# SPDX-License-Identifier: Apache-2.0\n"
+    "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
+)
+OVERLAY_LOGGER = 'logger = logging.getLogger("vllm.overlay")'
+# the overlay's name in log messages, errors and thread names -> vLLM's; the
+# names that are part of the pool's key derivation ("vllm-overlay-kv-pool/2",
+# the chain root) stay: nodes on the overlay and on the patched tree share
+# keys only while they agree.
+OVERLAY_NAMES = [
+    ("vllm-overlay KV pool", "KV pool"),
+    ("vllm-overlay offloading:", "offloading:"),
+    ("not a vllm-overlay KV value", "not a shared KV pool value"),
+    ("vllm-overlay-pool-", "vllm-kv-pool-"),
+]
+TRITON_IMPORTS = "import triton\nimport triton.language as tl\n"
+
+# vLLM 0.11.2's pyproject.toml [tool.ruff*] (line length and target version
+# are ruff's defaults there: 88, and py310 from requires-python); vllm is
+# first-party as it is in vLLM's tree.
+VLLM_RUFF = """\
+line-length = 88
+target-version = "py310"
+
+[lint]
+select = ["E", "F", "UP", "B", "SIM", "I", "G"]
+ignore = ["F405", "F403", "E731", "B905", "B007", "UP032"]
+
+[lint.isort]
+known-first-party = ["vllm"]
+
+[format]
+docstring-code-format = true
+"""
+
+
+def upstream_style(text: str, path: str) -> str:
+    """TEXT (an overlay module, imports already renamed) as vLLM writes it."""
+    if OVERLAY_LOGGER in text:
+        text = text.replace(OVERLAY_LOGGER, "logger = init_logger(__name__)")
+        init_logger = "from vllm.logger import init_logger\n"
+        if re.search(r"\blogging\.", text):
+            init_logger = "import logging\n" + init_logger
+        text = re.sub(r"^import logging\n", init_logger, text, count=1, flags=re.M)
+    for ours, theirs in OVERLAY_NAMES:
+        text = text.replace(ours, theirs)
+    text = text.replace(TRITON_IMPORTS, "from vllm.triton_utils import tl, triton\n")
+    text = re.sub(r"^import re$", "import regex as re", text, flags=re.M)
+    if re.search(r"^(import|from) triton\b", text, flags=re.M):
+        raise ValueError(f"{path}: a direct Triton import is left")
+    text = _relative_if_too_long(text, path)
+    if not text.startswith(SPDX_HEADER):
+        text = SPDX_HEADER + text
+    return ruff(text, path)
+
+
+def _relative_if_too_long(text: str, path: str) -> str:
+    """``from <own package>.x import (`` as ``from .x import (`` where the
+    absolute module name alone overflows vLLM's line length (ruff E501; the
+    formatter cannot split a module name)."""
+    package = path.rpartition("/")[0].replace("/", ".")
+
+    def shorten(match: re.Match) -> str:
+        line, module = match.group(0), match.group(1)
+        if len(line) <= 88 or not module.startswith(package + "."):
+            return line
+        return line.replace(f"from {module} ", f"from .{module[len(package) + 1 :]} ")
+
+    return re.sub(r"^from ([\w.]+) import .*$", shorten, text, flags=re.M)
+
+
+def ruff(text: str, path: str) -> str:
+    """TEXT fixed (safe fixes) and formatted by ruff with ``VLLM_RUFF``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = pathlib.Path(tmp) / "ruff.toml"
+        config.write_text(VLLM_RUFF)
+        for args in (["check", "--fix-only", "--quiet"], ["format"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "ruff", *args, "--config", str(config)]
+                + ["--stdin-filename", path, "-"],
+                input=text,
+                capture_output=True,
+                text=True,
+                cwd=tmp,
+                check=False,
+            )
+            if done.returncode:
+                raise RuntimeError(f"ruff {args[0]} {path}: {done.stderr.strip()}")
+            text = done.stdout
+    return text
+
+
 def _diff(old: str, new: str, path: str) -> str:
     lines = difflib.unified_diff(
         old.splitlines(keepends=True),
@@ -220,8 +321,9 @@ def render() -> dict[pathlib.Path, str]:
     for series, diffs in SERIES.items():
         for name, kind, arg in diffs:
             if kind == "new":
+                path = upstream_path(arg)
                 text = rewrite(source_path(arg).read_text(), arg)
-                diff = _new_file(text, upstream_path(arg))
+                diff = _new_file(upstream_style(text, path), path)
             else:
                 path, addition = arg
                 old = appended.get(path) or (site / path).read_text()

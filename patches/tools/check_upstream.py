@@ -1,0 +1,389 @@
+"""Apply patches/series to a vLLM sdist and run vLLM's offline pre-commit hooks.
+
+    python patches/tools/fetch_sdist.py       # once (network)
+    python patches/tools/check_upstream.py    # offline afterwards
+
+The cached sdist (``fetch_sdist.py``) is extracted into a temporary
+directory, committed to a fresh git repository, and every diff of
+``patches/series`` is applied in order with ``git apply --index`` (the first
+one that does not apply stops the run, named).  The hooks of the sdist's
+``.pre-commit-config.yaml`` that need no network and no GPU then run on the
+files the series add or modify, as pre-commit would run them on a commit of
+the series:
+
+* ruff-check and ruff-format: the ruff version the config pins (from
+  ``$PATH``'s or this interpreter's venv when it is that version, otherwise
+  installed once into a venv in the cache) with the sdist's ``pyproject.toml``;
+* typos: likewise, when a ``typos`` of the pinned version is available or
+  installable (``--no-install`` skips installing);
+* the sdist's own ``tools/pre_commit`` scripts: SPDX headers, root lazy
+  imports, ``import regex as re``, no direct ``import triton``, no pickle,
+  config dataclass validation;
+* check-filenames (no spaces).
+
+A project check, ``overlay-identity``, also fails on added lines that still
+name the overlay (``vllm_overlay``, ``vllm.overlay``, ``vllm-overlay``).
+
+Hooks for file types the series do not touch (C++, shell, PNG, markdown,
+workflows, requirements) are listed as ``n/a``; mypy (it needs vLLM's whole
+dependency set) is listed as ``skipped``.  The output is one table: hook,
+result, number of findings, first findings.  The exit status is 1 when any
+hook fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import yaml
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import fetch_sdist  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PATCHES = ROOT / "patches"
+SHOWN = 3  # findings shown per hook
+
+# hooks of vLLM's config that never see the series' files (they are all .py)
+NOT_APPLICABLE = {
+    "clang-format": "C++/CUDA only",
+    "markdownlint": "markdown only",
+    "actionlint": "GitHub workflows only",
+    "pip-compile": "requirements/test.* only",
+    "format-torch-nightly-test": "requirements/test.* only",
+    "shellcheck": "shell scripts only",
+    "png-lint": "PNG only",
+    "update-dockerfile-graph": "Dockerfile graph",
+    "signoff-commit": "commit message",
+    "suggestion": "message only",
+}
+SKIPPED = {"mypy": "needs vLLM's full dependency set (not offline)"}
+IDENTITY = re.compile(r"vllm_overlay|vllm\.overlay|vllm-overlay", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class Result:
+    hook: str
+    status: str  # pass, FAIL, n/a, skipped
+    findings: list[str] = dataclasses.field(default_factory=list)
+    note: str = ""
+
+
+def _run(cmd, cwd, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, check=False, **kwargs
+    )
+
+
+def _git(tree: pathlib.Path, *args: str) -> str:
+    done = _run(["git", *args], tree)
+    if done.returncode:
+        raise SystemExit(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def prepare_tree(sdist: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
+    """The sdist extracted and committed as a git repository."""
+    with tarfile.open(sdist) as archive:
+        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        archive.extractall(workdir, **kwargs)
+    (tree,) = [p for p in workdir.iterdir() if p.is_dir()]
+    _git(tree, "init", "-q")
+    _git(tree, "add", "-A")
+    _git(
+        tree,
+        "-c",
+        "user.name=check_upstream",
+        "-c",
+        "user.email=check_upstream@localhost",
+        "commit",
+        "-qm",
+        f"{sdist.name}",
+        "--no-verify",
+    )
+    return tree
+
+
+def apply_series(tree: pathlib.Path) -> list[str]:
+    """Apply patches/series in order (staged); the diffs' names."""
+    names = [
+        line.strip()
+        for line in (PATCHES / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for name in names:
+        done = _run(["git", "apply", "--index", str(PATCHES / name)], tree)
+        if done.returncode:
+            raise SystemExit(
+                f"patches/{name} does not apply after the diffs before it:\n"
+                f"{done.stderr.strip()}"
+            )
+    return names
+
+
+def _pinned(config: dict, repo_suffix: str) -> str | None:
+    for repo in config.get("repos", []):
+        if str(repo.get("repo", "")).endswith(repo_suffix):
+            return str(repo["rev"]).removeprefix("v")
+    return None
+
+
+def _version_of(executable: str) -> str | None:
+    try:
+        out = _run([executable, "--version"], None).stdout
+    except OSError:
+        return None
+    match = re.search(r"(\d+\.\d+\.\d+)", out)
+    return match.group(1) if match else None
+
+
+def tool(name: str, version: str, install: bool) -> tuple[str | None, str]:
+    """An executable NAME of VERSION and where it came from (or None, why)."""
+    candidates = [
+        shutil.which(name),
+        str(pathlib.Path(sys.executable).parent / name),
+    ]
+    for candidate in candidates:
+        exists = candidate and os.path.exists(candidate)
+        if exists and _version_of(candidate) == version:
+            return candidate, candidate
+    venv = fetch_sdist.cache_dir() / "tools" / f"{name}-{version}"
+    executable = venv / "bin" / name
+    if executable.exists() and _version_of(str(executable)) == version:
+        return str(executable), str(executable)
+    if not install:
+        return None, f"{name} {version} not found (--no-install)"
+    print(f"installing {name}=={version} into {venv}", file=sys.stderr)
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+         f"{name}=={version}"],
+    ]  # fmt: skip
+    for step in steps:
+        done = _run(step, None)
+        if done.returncode:
+            return None, f"installing {name}=={version} failed: " + (
+                done.stderr.strip().splitlines() or ["?"]
+            )[-1]
+    return str(executable), str(executable)
+
+
+def _restore(tree: pathlib.Path) -> None:
+    """Undo what a hook wrote (the patched state is in the index)."""
+    _git(tree, "checkout", "--", ".")
+
+
+def run_hooks(tree: pathlib.Path, install: bool) -> list[Result]:
+    config = yaml.safe_load((tree / ".pre-commit-config.yaml").read_text())
+    hook_ids = [h["id"] for repo in config["repos"] for h in repo["hooks"]]
+    changed = _git(tree, "diff", "--cached", "--name-only", "--diff-filter=AM")
+    files = [f for f in changed.split() if not f.startswith("vllm/third_party/")]
+    py = [f for f in files if f.endswith((".py", ".pyi"))]
+    python = sys.executable
+    scripts = tree / "tools" / "pre_commit"
+    results: list[Result] = []
+    done_ids: set[str] = set()
+
+    def script(hook_id: str, name: str, args: list[str], parse) -> None:
+        done_ids.add(hook_id)
+        if not (scripts / name).exists():
+            results.append(Result(hook_id, "skipped", note=f"no tools/{name}"))
+            return
+        out = _run([python, str(scripts / name), *args], tree)
+        _restore(tree)
+        text = (out.stdout + out.stderr).strip()
+        findings = parse(text) if out.returncode else []
+        if out.returncode and not findings:
+            findings = text.splitlines()[-1:] or [f"exit {out.returncode}"]
+        results.append(Result(hook_id, "FAIL" if out.returncode else "pass", findings))
+
+    # ruff-check / ruff-format
+    ruff_version = _pinned(config, "ruff-pre-commit")
+    ruff, where = tool("ruff", ruff_version, install) if ruff_version else (None, "")
+    if ruff is None:
+        for hook_id in ("ruff-check", "ruff-format"):
+            results.append(Result(hook_id, "skipped", note=where or "not pinned"))
+    else:
+        note = f"ruff {ruff_version}"
+        out = _run([ruff, "check", "--output-format", "concise", "--quiet", *py], tree)
+        findings = [line for line in out.stdout.splitlines() if line.strip()]
+        status = "FAIL" if out.returncode else "pass"
+        results.append(Result("ruff-check", status, findings, note))
+        out = _run([ruff, "format", "--check", *py], tree)
+        findings = [
+            line.removeprefix("Would reformat: ")
+            for line in out.stdout.splitlines()
+            if line.startswith("Would reformat")
+        ]
+        status = "FAIL" if out.returncode else "pass"
+        results.append(Result("ruff-format", status, findings, note))
+    done_ids |= {"ruff-check", "ruff-format"}
+
+    # typos
+    typos_version = _pinned(config, "crate-ci/typos")
+    if typos_version:
+        typos, where = tool("typos", typos_version, install)
+        if typos is None:
+            results.append(Result("typos", "skipped", note=where))
+        else:
+            out = _run([typos, "--force-exclude", "--format", "brief", *files], tree)
+            findings = [line for line in out.stdout.splitlines() if line.strip()]
+            status = "FAIL" if out.returncode else "pass"
+            results.append(Result("typos", status, findings, f"typos {typos_version}"))
+        done_ids.add("typos")
+
+    def lines(text: str) -> list[str]:
+        return [line.strip() for line in text.splitlines() if line.strip()]
+
+    script(
+        "check-spdx-header",
+        "check_spdx_header.py",
+        py,
+        lambda t: [line for line in lines(t) if not line.startswith("The following")],
+    )
+    script("check-root-lazy-imports", "check_init_lazy_imports.py", [], lines)
+
+    def regex_findings(text: str) -> list[str]:
+        found, current = [], ""
+        for line in lines(text):
+            if line.startswith("❌ ") and line.endswith(":"):
+                current = line[2:-1].strip()
+            elif line.startswith("Line "):
+                number, _, code = line[5:].partition(": ")
+                found.append(f"{current}:{number}: {code}")
+        return found
+
+    script(
+        "enforce-import-regex-instead-of-re",
+        "enforce_regex_import.py",
+        [],
+        regex_findings,
+    )
+    script(
+        "forbid-direct-triton-import",
+        "check_triton_import.py",
+        [],
+        lambda t: [line.removeprefix("❌ ") for line in lines(t)[1:]],
+    )
+    script(
+        "check-pickle-imports",
+        "check_pickle_imports.py",
+        py,
+        lambda t: [re.sub(r"\x1b\[\d+m", "", line) for line in lines(t)],
+    )
+    script(
+        "validate-config",
+        "validate_config.py",
+        files,
+        lambda t: [line for line in lines(t) if "❌" in line],
+    )
+
+    done_ids.add("check-filenames")
+    spaced = [f for f in _git(tree, "ls-files").splitlines() if " " in f]
+    results.append(Result("check-filenames", "FAIL" if spaced else "pass", spaced))
+
+    for hook_id in hook_ids:
+        if hook_id in done_ids:
+            continue
+        base = re.sub(r"-(local|3\.\d+)$", "", hook_id)
+        if base in SKIPPED:
+            results.append(Result(hook_id, "skipped", note=SKIPPED[base]))
+        elif hook_id in NOT_APPLICABLE:
+            results.append(Result(hook_id, "n/a", note=NOT_APPLICABLE[hook_id]))
+        else:
+            results.append(Result(hook_id, "skipped", note="not reproduced here"))
+
+    # project check: the overlay's name in added lines
+    diff = _git(tree, "diff", "--cached", "--unified=0")
+    leaks, current = [], ""
+    for line in diff.splitlines():
+        if line.startswith("+++ b/"):
+            current = line[6:]
+        elif line.startswith("+") and IDENTITY.search(line):
+            leaks.append(f"{current}: {line[1:].strip()}")
+    results.append(
+        Result(
+            "overlay-identity (project)",
+            "FAIL" if leaks else "pass",
+            leaks,
+            "added lines naming the overlay",
+        )
+    )
+    return results
+
+
+def _cell(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def render(results: list[Result], files: int, diffs: int, version: str) -> str:
+    out = [
+        f"vLLM {version} + {diffs} diffs of patches/series "
+        f"({files} files added or modified)",
+        "",
+        "| hook | result | findings | first findings |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        shown = "<br>".join(_cell(f, 110) for f in r.findings[:SHOWN])
+        if r.note and not r.findings:
+            shown = r.note
+        count = str(len(r.findings)) if r.status in ("pass", "FAIL") else "-"
+        out.append(f"| {r.hook} | {r.status} | {count} | {shown} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--version", default=fetch_sdist.DEFAULT_VERSION)
+    parser.add_argument(
+        "--no-install",
+        action="store_true",
+        help="never pip-install a pinned tool; hooks without one are skipped",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the patched tree (path printed)"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="print every finding after the table"
+    )
+    args = parser.parse_args(argv)
+
+    sdist = fetch_sdist.cached(args.version)
+    if sdist is None:
+        print(
+            f"vllm {args.version}: no cached sdist in {fetch_sdist.cache_dir()}; "
+            f"run python patches/tools/fetch_sdist.py --version {args.version}",
+            file=sys.stderr,
+        )
+        return 2
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-patches-"))
+    try:
+        tree = prepare_tree(sdist, workdir)
+        diffs = apply_series(tree)
+        changed = _git(tree, "diff", "--cached", "--name-only", "--diff-filter=AM")
+        results = run_hooks(tree, install=not args.no_install)
+        print(render(results, len(changed.split()), len(diffs), args.version))
+        if args.all:
+            for r in results:
+                for finding in r.findings:
+                    print(f"{r.hook}: {finding}")
+        if args.keep:
+            print(f"\npatched tree: {tree}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
