@@ -113,13 +113,18 @@ def prepare_tree(sdist: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
     return tree
 
 
-def apply_series(tree: pathlib.Path) -> list[str]:
-    """Apply patches/series in order (staged); the diffs' names."""
-    names = [
+def series_names() -> list[str]:
+    """The diffs of patches/series, in order."""
+    return [
         line.strip()
         for line in (PATCHES / "series").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
+
+
+def apply_series(tree: pathlib.Path) -> list[str]:
+    """Apply patches/series in order (staged); the diffs' names."""
+    names = series_names()
     for name in names:
         done = _run(["git", "apply", "--index", str(PATCHES / name)], tree)
         if done.returncode:
