@@ -42,7 +42,7 @@ MODULES = {
     "vllm_overlay.integration.model_kv": "vllm.v1.kv_offload.model_kv",
     "vllm_overlay.core.offload.mapping": "vllm.v1.kv_offload.worker.sub_blocks",
     "vllm_overlay.core.offload.mover": "vllm.v1.kv_offload.worker.block_mover",
-    "vllm_overlay.connectors.offloading": f"{_KV}.overlay_offloading_connector",
+    "vllm_overlay.connectors.offloading": f"{_KV}.cross_layer_offloading_connector",
     "vllm_overlay.core.pool.codec": f"{_KV}.shared_pool.codec",
     "vllm_overlay.core.pool.config": f"{_KV}.shared_pool.config",
     "vllm_overlay.core.pool.errors": f"{_KV}.shared_pool.errors",
@@ -65,16 +65,22 @@ def _register(name: str, module: str) -> str:
     )
 
 
+# the overlay's product names -> the names the classes get in vLLM's tree
+CLASS_NAMES = [
+    ("OverlayOffloadingConnector", "CrossLayerOffloadingConnector"),
+    ("OverlayCPUOffloadingSpec", "CrossLayerCPUOffloadingSpec"),
+]
+
 OFFLOADING_REGISTRATION = _register(
-    "OverlayOffloadingConnector", MODULES["vllm_overlay.connectors.offloading"]
+    "CrossLayerOffloadingConnector", MODULES["vllm_overlay.connectors.offloading"]
 )
 POOL_REGISTRATION = _register(
     "SharedKVPoolConnector", MODULES["vllm_overlay.connectors.shared_pool"]
 )
 SPEC_REGISTRATION = (
-    '\nOffloadingSpecFactory.register_spec(\n    "OverlayCPUOffloadingSpec",\n'
+    '\nOffloadingSpecFactory.register_spec(\n    "CrossLayerCPUOffloadingSpec",\n'
     f'    "{MODULES["vllm_overlay.connectors.offloading"]}",\n'
-    '    "OverlayCPUOffloadingSpec",\n)\n'
+    '    "CrossLayerCPUOffloadingSpec",\n)\n'
 )
 
 # series -> [(diff name, kind, argument)]; kind "new": an overlay module as
@@ -113,7 +119,7 @@ SERIES = {
             "vllm_overlay.core.offload.mover",
         ),
         (
-            "0007-kv_connector-v1-overlay_offloading_connector.patch",
+            "0007-kv_connector-v1-cross_layer_offloading_connector.patch",
             "new",
             "vllm_overlay.connectors.offloading",
         ),
@@ -196,7 +202,19 @@ def upstream_path(module: str) -> str:
     )
 
 
+RUNTIME_ONLY = re.compile(
+    r"^[ \t]*# runtime only: begin.*?^[ \t]*# runtime only: end\n", re.M | re.S
+)
+
+
 def rewrite(text: str, origin: str) -> str:
+    """TEXT with the runtime-only blocks dropped (the lines from ``# runtime
+    only: begin`` to ``# runtime only: end``: what exists only because the
+    overlay patches at runtime) and the overlay's module and class names
+    replaced by their upstream ones."""
+    text = RUNTIME_ONLY.sub("", text)
+    for ours, theirs in CLASS_NAMES:
+        text = re.sub(rf"\b{ours}\b", theirs, text)
     for ours in sorted(MODULES, key=len, reverse=True):
         text = re.sub(rf"\b{re.escape(ours)}\b", MODULES[ours], text)
     if "vllm_overlay" in text:
@@ -211,10 +229,9 @@ SPDX_HEADER = (
     "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
 )
 OVERLAY_LOGGER = 'logger = logging.getLogger("vllm.overlay")'
-# the overlay's name in log messages, errors and thread names -> vLLM's; the
-# names that are part of the pool's key derivation ("vllm-overlay-kv-pool/2",
-# the chain root) stay: nodes on the overlay and on the patched tree share
-# keys only while they agree.
+# the overlay's name in log messages, errors and thread names -> vLLM's (the
+# pool's key derivation names no project: nodes on the overlay and on the
+# patched tree share keys).
 OVERLAY_NAMES = [
     ("vllm-overlay KV pool", "KV pool"),
     ("vllm-overlay offloading:", "offloading:"),

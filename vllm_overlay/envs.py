@@ -49,6 +49,12 @@ SKIP_PATCHES = EnvVar(
 ALL = (DISABLE, STRICT, SKIP_PATCHES)
 
 
+def cross_layer_patches_on() -> bool:
+    """Whether this process may allocate cross-layer blocks: the plugin is
+    on and its layout patches (CL-09, CL-10) are not skipped."""
+    return not DISABLE.flag() and not {"CL-09", "CL-10"} & set(SKIP_PATCHES.items())
+
+
 def markdown_table() -> str:
     """The README's environment-variable table (a unit test keeps the two
     in step)."""

@@ -110,7 +110,8 @@ def main(config: dict) -> dict:
     kv_transfer_config = None
     if config.get("connector") == "offload":
         kv_transfer_config = KVTransferConfig(
-            kv_connector="OverlayOffloadingConnector",
+            # vLLM's tree with patches/ applied names it CrossLayer...
+            kv_connector=config.get("name", "OverlayOffloadingConnector"),
             kv_role="kv_both",
             kv_connector_extra_config={"num_cpu_blocks": 64},
         )

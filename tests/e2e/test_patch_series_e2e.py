@@ -54,13 +54,17 @@ def test_patched_vllm_offloads_under_pressure_like_the_overlay(patched_tree):
     run = _memoized("run_pressure.py")
     overlay = run({"connector": "offload"})
     patched = run(
-        {"connector": "offload", "stall_s": 10},
+        {
+            "connector": "offload",
+            "name": "CrossLayerOffloadingConnector",
+            "stall_s": 10,
+        },
         VLLM_OVERLAY_DISABLE="1",
         PYTHONPATH=str(patched_tree),
     )
     assert "disabled by VLLM_OVERLAY_DISABLE" in patched.log
     assert patched.result["totals"]["connector_module"] == (
-        "vllm.distributed.kv_transfer.kv_connector.v1.overlay_offloading_connector"
+        "vllm.distributed.kv_transfer.kv_connector.v1.cross_layer_offloading_connector"
     )
     assert not any(p["stalled"] for p in patched.passes)
     assert patched.result["overlay"].get("deferred") is None  # not KV-01

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -13,16 +12,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 def cross_layer_expected() -> bool:
     """Whether this node's workers may register cross-layer blocks (the
-    connector prefers them): off when the plugin or its cross-layer patches
-    (CL-09, CL-10) are disabled by environment.  Both roles read the same
-    environment, so they agree."""
-    if os.environ.get("VLLM_OVERLAY_DISABLE", "0") not in ("", "0"):
+    connector prefers them).  Both roles of a node answer the same."""
+    # runtime only: begin (patches/generate.py drops these lines: in vLLM's
+    # tree the cross-layer layout cannot be switched off by environment)
+    from vllm_overlay import envs
+
+    if not envs.cross_layer_patches_on():  # noqa: SIM103 (upstream: True only)
         return False
-    skipped = {
-        item.strip()
-        for item in os.environ.get("VLLM_OVERLAY_SKIP_PATCHES", "").split(",")
-    }
-    return not skipped & {"CL-09", "CL-10"}
+    # runtime only: end
+    return True
 
 
 def layout_descriptor(vllm_config) -> str:
@@ -68,7 +66,7 @@ def namespace_factors(vllm_config, user_namespace: str) -> list[str]:
     parallel = vllm_config.parallel_config
     lora = getattr(vllm_config, "lora_config", None)
     return [
-        "vllm-overlay-kv-pool/2",
+        "vllm-shared-kv-pool/3",
         f"model-hash={model.compute_hash()}",
         f"model={model.model}@{model.revision}",
         f"quantization={model.quantization}",

@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm_overlay.connectors.shared_pool.common import PoolMetadata, pool_key
 
-CHAIN_ROOT = b"vllm-overlay shared KV pool chain root v1"
+CHAIN_ROOT = b"vLLM shared KV pool chain root v1"
 REFUSED_TTL_S = 300.0  # a refused value is not looked up again for this long
 ANSWER_TTL_S = 5.0  # a lookup's answer is reused for this long (same request)
 SPIN_S = 0.002  # asked again this soon: the engine is idle-spinning
