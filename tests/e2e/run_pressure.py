@@ -51,10 +51,36 @@ def connector_totals(worker) -> dict:
     return {**totals, "connector_module": type(connector).__module__}
 
 
+def record_schedule(scheduler) -> list[str]:
+    """Record what the scheduler decides at each step, as one line: the new
+    requests (with their computed tokens: a prefix hit or load), the resumed
+    ones, the tokens scheduled per request, and the waiting queue after the
+    step (id:status).  Both ways of a patch (the runtime overlay, the patched
+    tree) must give the same lines."""
+    trace: list[str] = []
+    schedule = scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        new = [f"{r.req_id}@{r.num_computed_tokens}" for r in out.scheduled_new_reqs]
+        resumed = sorted(out.scheduled_cached_reqs.resumed_req_ids)
+        tokens = [f"{k}+{v}" for k, v in sorted(out.num_scheduled_tokens.items())]
+        waiting = [f"{r.request_id}:{r.status.name}" for r in scheduler.waiting]
+        trace.append(
+            f"new={','.join(new)} resumed={','.join(resumed)} "
+            f"tokens={','.join(tokens)} waiting={','.join(waiting)}"
+        )
+        return out
+
+    scheduler.schedule = recorded
+    return trace
+
+
 def step_all(llm, prompts, params, stall_s: float) -> dict:
     """Submit every prompt at once and step until done or stalled."""
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
+    trace = record_schedule(scheduler)
     for i, text in enumerate(prompts):
         engine.add_request(f"p{i}", text, params)
     outputs, last_change, last_sig, steps = {}, time.monotonic(), None, 0
@@ -73,9 +99,11 @@ def step_all(llm, prompts, params, stall_s: float) -> dict:
         if sig != last_sig:
             last_sig, last_change = sig, time.monotonic()
         elif time.monotonic() - last_change > stall_s:
+            del scheduler.schedule
             return {
                 "stalled": True,
                 "steps": steps,
+                "trace": trace,
                 "state": {
                     "running": len(scheduler.running),
                     "waiting": [str(r.status) for r in scheduler.waiting],
@@ -84,9 +112,11 @@ def step_all(llm, prompts, params, stall_s: float) -> dict:
                     ),
                 },
             }
+    del scheduler.schedule  # the class's again
     return {
         "stalled": False,
         "steps": steps,
+        "trace": trace,
         "outputs": [summary(outputs[f"p{i}"]) for i in range(len(prompts))],
     }
 

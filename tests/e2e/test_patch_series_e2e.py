@@ -75,6 +75,34 @@ def test_patched_vllm_offloads_under_pressure_like_the_overlay(patched_tree):
         assert [o["tokens"] for o in patched.passes[p]["outputs"]] == [
             o["tokens"] for o in overlay.passes[p]["outputs"]
         ]
+        # KV-01..04 both ways: the same scheduling decisions, step by step
+        assert patched.passes[p]["trace"] == overlay.passes[p]["trace"]
+    assert overlay.result["overlay"]["resumed_after_load"] > 0  # KV-04 acted
+
+
+def test_kv_pressure_scenarios_schedule_the_same_both_ways(patched_tree):
+    """patches/kv-pressure is hand-written, the runtime patches KV-01..04
+    differ in form (wrappers around vLLM's methods): each scenario of
+    tests/support/sched_scenarios.py gives the same scheduler steps in the
+    overlay and on the patched tree with the overlay disabled (the lines
+    name the new and resumed requests, tokens, waiting queue, free blocks).
+    The series once resumed a request one step earlier than the runtime."""
+    from conftest import _memoized
+
+    run = _memoized("run_sched_scenarios.py")
+    overlay = run({})
+    patched = run(
+        {"connector": "CrossLayerOffloadingConnector"},
+        VLLM_OVERLAY_DISABLE="1",
+        PYTHONPATH=str(patched_tree),
+    )
+    assert patched.result["vllm"].startswith(str(patched_tree))
+    assert not overlay.result["vllm"].startswith(str(patched_tree))
+    assert patched.result["traces"] == overlay.result["traces"]
+    kv04 = overlay.result["traces"]["kv04-resume-after-load"]
+    assert "resumed=A " in kv04[1] and "waiting=A:PREEMPTED" in kv04[0]
+    kv03 = overlay.result["traces"]["kv03-head-does-not-fit"]
+    assert kv03[0].startswith("new=A@32 ")  # A not stranded behind P
 
 
 def test_patched_vllm_shares_a_pool_like_the_overlay(patched_tree):
