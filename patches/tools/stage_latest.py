@@ -48,8 +48,10 @@ import ast
 import dataclasses
 import difflib
 import filecmp
+import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -1018,6 +1020,16 @@ def _run(cmd: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
 
 
+def scratch() -> str | None:
+    """Where to extract the sdist: memory (``/dev/shm``, with 2 GiB free)
+    unless ``$TMPDIR`` says otherwise; the 8,500 files of the sdist and their
+    git objects are written three to four times faster there."""
+    shm = pathlib.Path("/dev/shm")
+    if os.environ.get("TMPDIR") or not shm.is_dir() or not os.access(shm, os.W_OK):
+        return None
+    return str(shm) if shutil.disk_usage(shm).free >= 2 << 30 else None
+
+
 def sdist_path(version: str, fetch: bool) -> pathlib.Path | None:
     hit = fetch_sdist.cached(version)
     if hit is None and fetch:
@@ -1050,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    with tempfile.TemporaryDirectory(prefix="vllm-stage-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vllm-stage-", dir=scratch()) as tmp:
         root = extract(sdist, pathlib.Path(tmp) / "sdist")
         staged, ruff = stage(root, install=not args.offline)
         files = render(staged, args.version, ruff)
