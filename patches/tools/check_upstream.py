@@ -24,6 +24,19 @@ the series:
 A project check, ``overlay-identity``, also fails on added lines that still
 name the overlay (``vllm_overlay``, ``vllm.overlay``, ``vllm-overlay``).
 
+Another series list (``--series``, its diffs named relative to its folder or
+to ``--patches-dir``) checks another staging against another sdist, e.g. the
+series staged for the newest release::
+
+    python patches/tools/check_upstream.py --version 0.33.0 \
+        --series patches/latest/series
+
+The scripts above run only where the sdist's config has their hook.  Other
+``repo: local`` hooks of the config (a newer vLLM has more) are selected as
+pre-commit selects them (``files``, ``exclude``, ``types``/``types_or``,
+``always_run``) and a ``python tools/...`` entry runs on the selected files;
+a hook that selects none of the series' files is ``n/a``.
+
 Hooks for file types the series do not touch (C++, shell, PNG, markdown,
 workflows, requirements) are listed as ``n/a``; mypy (it needs vLLM's whole
 dependency set) is listed as ``skipped``.  The output is one table: hook,
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import pathlib
 import re
@@ -65,6 +79,7 @@ NOT_APPLICABLE = {
     "update-dockerfile-graph": "Dockerfile graph",
     "signoff-commit": "commit message",
     "suggestion": "message only",
+    "markdownlint-cli2": "markdown only",
 }
 SKIPPED = {"mypy": "needs vLLM's full dependency set (not offline)"}
 IDENTITY = re.compile(r"vllm_overlay|vllm\.overlay|vllm-overlay", re.IGNORECASE)
@@ -113,26 +128,40 @@ def prepare_tree(sdist: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
     return tree
 
 
-def series_names() -> list[str]:
-    """The diffs of patches/series, in order."""
+def series_names(series: pathlib.Path | None = None) -> list[str]:
+    """The diffs of SERIES (default patches/series), in order."""
     return [
         line.strip()
-        for line in (PATCHES / "series").read_text().splitlines()
+        for line in (series or PATCHES / "series").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
 
 
-def apply_series(tree: pathlib.Path) -> list[str]:
-    """Apply patches/series in order (staged); the diffs' names."""
-    names = series_names()
+def apply_series(
+    tree: pathlib.Path,
+    series: pathlib.Path | None = None,
+    patches_dir: pathlib.Path | None = None,
+) -> list[str]:
+    """Apply SERIES (default patches/series; diffs relative to PATCHES_DIR,
+    default the series' folder) in order (staged); the diffs' names."""
+    names = series_names(series)
+    folder = (patches_dir or (series.parent if series else PATCHES)).resolve()
     for name in names:
-        done = _run(["git", "apply", "--index", str(PATCHES / name)], tree)
+        done = _run(["git", "apply", "--index", str(folder / name)], tree)
         if done.returncode:
             raise SystemExit(
-                f"patches/{name} does not apply after the diffs before it:\n"
-                f"{done.stderr.strip()}"
+                f"{_shown(folder / name)} does not apply after the diffs "
+                f"before it:\n{done.stderr.strip()}"
             )
     return names
+
+
+def _shown(path: pathlib.Path) -> str:
+    """PATH relative to the project when it is inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def _pinned(config: dict, repo_suffix: str) -> str | None:
@@ -199,6 +228,8 @@ def run_hooks(tree: pathlib.Path, install: bool) -> list[Result]:
     done_ids: set[str] = set()
 
     def script(hook_id: str, name: str, args: list[str], parse) -> None:
+        if hook_id not in hook_ids:  # not a hook of this vLLM's config
+            return
         done_ids.add(hook_id)
         if not (scripts / name).exists():
             results.append(Result(hook_id, "skipped", note=f"no tools/{name}"))
@@ -296,14 +327,29 @@ def run_hooks(tree: pathlib.Path, install: bool) -> list[Result]:
     spaced = [f for f in _git(tree, "ls-files").splitlines() if " " in f]
     results.append(Result("check-filenames", "FAIL" if spaced else "pass", spaced))
 
+    local = {
+        h["id"]: h
+        for repo in config["repos"]
+        if repo.get("repo") == "local"
+        for h in repo["hooks"]
+    }
+    configured = {h["id"]: h for repo in config["repos"] for h in repo["hooks"]}
     for hook_id in hook_ids:
         if hook_id in done_ids:
             continue
+        done_ids.add(hook_id)  # once for hooks listed twice (aliases)
         base = re.sub(r"-(local|3\.\d+)$", "", hook_id)
         if base in SKIPPED:
             results.append(Result(hook_id, "skipped", note=SKIPPED[base]))
         elif hook_id in NOT_APPLICABLE:
             results.append(Result(hook_id, "n/a", note=NOT_APPLICABLE[hook_id]))
+        elif hook_id in local:
+            results.append(_local_hook(tree, config, local[hook_id], files))
+        elif configured[hook_id].get("files") and not _selected(
+            config, {"files": configured[hook_id]["files"]}, files
+        ):  # a remote hook whose files (in the config) exclude the series'
+            note = f"selects none of the series' files ({configured[hook_id]['files']})"
+            results.append(Result(hook_id, "n/a", note=note))
         else:
             results.append(Result(hook_id, "skipped", note="not reproduced here"))
 
@@ -326,14 +372,109 @@ def run_hooks(tree: pathlib.Path, install: bool) -> list[Result]:
     return results
 
 
+# pre-commit file types (identify's tags) by file name ending, for the
+# ``types``/``types_or`` of local hooks; a type not here is not reproduced.
+TYPE_SUFFIXES = {
+    "file": ("",),
+    "text": ("",),
+    "python": (".py", ".pyi"),
+    "pyi": (".pyi",),
+    "rust": (".rs",),
+    "proto": (".proto",),
+    "png": (".png",),
+    "c++": (".cc", ".cpp", ".cxx", ".h", ".hpp", ".cuh"),
+    "cuda": (".cu", ".cuh"),
+    "markdown": (".md",),
+    "yaml": (".yaml", ".yml"),
+    "json": (".json",),
+    "shell": (".sh",),
+    "toml": (".toml",),
+}
+# additional_dependencies -> the module this interpreter must have
+DEPENDENCY_MODULES = {"pyyaml": "yaml", "dockerfile-parse": "dockerfile_parse"}
+
+
+def _selected(config: dict, hook: dict, files: list[str]) -> list[str] | None:
+    """FILES as pre-commit passes them to HOOK (None: a type not known)."""
+    types = hook.get("types", [])
+    types_or = hook.get("types_or", [])
+    exclude_types = hook.get("exclude_types", [])
+    if any(t not in TYPE_SUFFIXES for t in (*types, *types_or, *exclude_types)):
+        return None
+
+    def typed(name: str, tag: str) -> bool:
+        return name.endswith(TYPE_SUFFIXES[tag])
+
+    include = re.compile(hook.get("files", ""))
+    excludes = [
+        re.compile(pattern)
+        for pattern in (config.get("exclude", "^$"), hook.get("exclude", "^$"))
+    ]
+    return [
+        name
+        for name in files
+        if include.search(name)
+        and not any(pattern.search(name) for pattern in excludes)
+        and all(typed(name, t) for t in types)
+        and (not types_or or any(typed(name, t) for t in types_or))
+        and not any(typed(name, t) for t in exclude_types)
+    ]
+
+
+def _local_hook(
+    tree: pathlib.Path, config: dict, hook: dict, files: list[str]
+) -> Result:
+    """A ``repo: local`` hook of the config: n/a when it selects none of the
+    series' files (and is not ``always_run``), run when its entry is a Python
+    script of the sdist, else skipped."""
+    hook_id = hook["id"]
+    selected = _selected(config, hook, files)
+    if selected is None:
+        return Result(hook_id, "skipped", note="file types not reproduced here")
+    if not selected and not hook.get("always_run"):
+        what = hook.get("files") or "/".join(
+            hook.get("types", []) + hook.get("types_or", [])
+        )
+        note = f"selects none of the series' files ({what})"
+        return Result(hook_id, "n/a", note=note)
+    if "commit-msg" in hook.get("stages", []):
+        return Result(hook_id, "n/a", note="commit message")
+    entry = hook.get("entry", "").split() + list(hook.get("args", []))
+    if hook.get("language") != "python" or entry[:1] != ["python"]:
+        return Result(hook_id, "skipped", note="not reproduced here")
+    for dep in hook.get("additional_dependencies", []):
+        name = re.split(r"[<>=\[ ]", dep)[0].lower()
+        module = DEPENDENCY_MODULES.get(name, name.replace("-", "_"))
+        if importlib.util.find_spec(module) is None:
+            return Result(hook_id, "skipped", note=f"needs {dep}")
+    args = selected if hook.get("pass_filenames", True) else []
+    out = _run([sys.executable, *entry[1:], *args], tree)
+    _restore(tree)
+    text = re.sub(r"\x1b\[\d+m", "", out.stdout + out.stderr).strip()
+    findings = [line.strip() for line in text.splitlines() if line.strip()]
+    if out.returncode and not findings:
+        findings = [f"exit {out.returncode}"]
+    return Result(
+        hook_id,
+        "FAIL" if out.returncode else "pass",
+        findings if out.returncode else [],
+        f"{len(args)} files" if hook.get("pass_filenames", True) else "whole tree",
+    )
+
+
 def _cell(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def render(results: list[Result], files: int, diffs: int, version: str) -> str:
+def render(
+    results: list[Result],
+    files: int,
+    diffs: int,
+    version: str,
+    series: str = "patches/series",
+) -> str:
     out = [
-        f"vLLM {version} + {diffs} diffs of patches/series "
-        f"({files} files added or modified)",
+        f"vLLM {version} + {diffs} diffs of {series} ({files} files added or modified)",
         "",
         "| hook | result | findings | first findings |",
         "|---|---|---|---|",
@@ -361,6 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--all", action="store_true", help="print every finding after the table"
     )
+    parser.add_argument(
+        "--series",
+        type=pathlib.Path,
+        help="series list to apply (default: patches/series)",
+    )
+    parser.add_argument(
+        "--patches-dir",
+        type=pathlib.Path,
+        help="folder the series' diffs are named in (default: the series' folder)",
+    )
     args = parser.parse_args(argv)
 
     sdist = fetch_sdist.cached(args.version)
@@ -374,10 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-patches-"))
     try:
         tree = prepare_tree(sdist, workdir)
-        diffs = apply_series(tree)
+        diffs = apply_series(tree, args.series, args.patches_dir)
         changed = _git(tree, "diff", "--cached", "--name-only", "--diff-filter=AM")
         results = run_hooks(tree, install=not args.no_install)
-        print(render(results, len(changed.split()), len(diffs), args.version))
+        label = _shown(args.series) if args.series else "patches/series"
+        print(render(results, len(changed.split()), len(diffs), args.version, label))
         if args.all:
             for r in results:
                 for finding in r.findings:
