@@ -11,11 +11,13 @@ folder, compares, and then ``git am``s every mbox onto a clean tree in
 ``ORDER``.
 
     python patches/tools/build_mbox.py [--check]
+    python patches/tools/build_mbox.py --markdown   # README.md's PR section
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -26,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import check_upstream  # noqa: E402
 import fetch_sdist  # noqa: E402
+import stage_latest  # noqa: E402
 
 PATCHES = check_upstream.PATCHES
 MBOX = PATCHES / "mbox"
@@ -142,6 +145,61 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
 }
 
+# patches/latest (stage_latest.py): the same features on the newest release
+LATEST_COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
+    "shared-pool": [
+        (
+            "[KVConnector] Block gather/scatter helpers for whole-block KV moves",
+            "Tables that describe a KV block as one run (block-outermost\n"
+            "layouts such as BLHNC) or one run per layer and K/V, and Triton /\n"
+            "copy-engine gather and scatter between the device cache and a\n"
+            "packed host buffer. Used by the shared KV pool connector below.",
+            ["0001", "0002", "0003"],
+        ),
+        (
+            COMMITS["shared-pool"][0][0],
+            COMMITS["shared-pool"][0][1],
+            ["0004", "0005", "0006", "0007", "0008"],
+        ),
+        (
+            COMMITS["shared-pool"][1][0],
+            COMMITS["shared-pool"][1][1]
+            + "\n\nOn this release the connector asks for the BLHNC KV cache\n"
+            "layout (get_required_kvcache_layout) and moves a block as one run\n"
+            "when the layers' pages are contiguous; otherwise per layer.",
+            ["0009", "0010", "0011", "0012", "0013"],
+        ),
+    ],
+    "pp-kv-budget": COMMITS["pp-kv-budget"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """A set of series on one vLLM release: diffs in PATCHES/<series>/,
+    mboxes in PATCHES/mbox/."""
+
+    version: str
+    patches: pathlib.Path
+    order: list[str]
+    depends: dict[str, list[str]]
+    commits: dict[str, list[tuple[str, str, list[str]]]]
+
+    @property
+    def mbox(self) -> pathlib.Path:
+        return self.patches / "mbox"
+
+
+MAIN = Staging("0.11.2", PATCHES, ORDER, DEPENDS, COMMITS)
+LATEST = Staging(
+    stage_latest.LATEST_VERSION,
+    stage_latest.OUT,
+    list(stage_latest.STAGED),
+    {name: [] for name in stage_latest.STAGED},
+    LATEST_COMMITS,
+)
+STAGINGS = {"0.11.2": MAIN, "latest": LATEST}
+
 
 def _env() -> dict:
     name, email = AUTHOR[: AUTHOR.index(" <")], AUTHOR[AUTHOR.index("<") + 1 : -1]
@@ -171,44 +229,52 @@ def _git(tree: pathlib.Path, *args: str, stdin: str | None = None) -> str:
     return done.stdout
 
 
-def _diffs(series: str) -> dict[str, pathlib.Path]:
-    return {p.name[:4]: p for p in sorted((PATCHES / series).glob("*.patch"))}
+def _diffs(series: str, staging: Staging = MAIN) -> dict[str, pathlib.Path]:
+    folder = staging.patches / series
+    return {p.name[:4]: p for p in sorted(folder.glob("*.patch"))}
 
 
-def _needs(series: str) -> list[str]:
-    """``series``'s dependencies, transitively, in ORDER."""
-    todo, seen = list(DEPENDS[series]), set()
+def _needs(series: str, staging: Staging = MAIN) -> list[str]:
+    """``series``'s dependencies, transitively, in order."""
+    todo, seen = list(staging.depends[series]), set()
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(DEPENDS[name])
-    return [name for name in ORDER if name in seen]
+            todo.extend(staging.depends[name])
+    return [name for name in staging.order if name in seen]
 
 
-def commit_series(tree: pathlib.Path, series: str) -> None:
-    diffs = _diffs(series)
-    grouped = [n for _, _, numbers in COMMITS[series] for n in numbers]
+def commit_series(tree: pathlib.Path, series: str, staging: Staging = MAIN) -> None:
+    diffs = _diffs(series, staging)
+    grouped = [n for _, _, numbers in staging.commits[series] for n in numbers]
     if sorted(grouped) != sorted(diffs):
         raise SystemExit(
             f"{series}: COMMITS lists {sorted(grouped)}, the folder has {sorted(diffs)}"
         )
-    for subject, body, numbers in COMMITS[series]:
+    for subject, body, numbers in staging.commits[series]:
         for number in numbers:
             _git(tree, "apply", "--index", str(diffs[number]))
         message = f"{subject}\n\n{body}\n\nSigned-off-by: {AUTHOR}\n"
         _git(tree, "commit", "-q", "--no-verify", "-F", "-", stdin=message)
 
 
-def build(out: pathlib.Path, sdist: pathlib.Path) -> None:
+def _reset(tree: pathlib.Path, base: str) -> None:
+    _git(tree, "reset", "-q", "--hard", base)
+    _git(tree, "clean", "-qfdx")
+
+
+def build(out: pathlib.Path, sdist: pathlib.Path, staging: Staging = MAIN) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for series in ORDER:
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
-            for dependency in _needs(series):
-                commit_series(tree, dependency)
+    with tempfile.TemporaryDirectory(dir=stage_latest.scratch()) as tmp:
+        tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
+        clean = _git(tree, "rev-parse", "HEAD").strip()
+        for series in staging.order:
+            _reset(tree, clean)
+            for dependency in _needs(series, staging):
+                commit_series(tree, dependency, staging)
             base = _git(tree, "rev-parse", "HEAD").strip()
-            commit_series(tree, series)
+            commit_series(tree, series, staging)
             mbox = _git(
                 tree,
                 "format-patch",
@@ -221,13 +287,20 @@ def build(out: pathlib.Path, sdist: pathlib.Path) -> None:
             (out / f"{series}.mbox").write_text(mbox)
 
 
-def git_am_all(sdist: pathlib.Path, mboxes: pathlib.Path) -> None:
-    """Every mbox applies with ``git am`` on a clean tree, in ORDER, each
+def git_am_all(
+    sdist: pathlib.Path, mboxes: pathlib.Path, staging: Staging = MAIN
+) -> None:
+    """Every mbox applies with ``git am`` on a clean tree, in order, each
     series also on top of only what it needs."""
-    for series in ORDER:
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
-            for name in [*_needs(series), series]:
+    with tempfile.TemporaryDirectory(dir=stage_latest.scratch()) as tmp:
+        tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
+        clean = _git(tree, "rev-parse", "HEAD").strip()
+        for series in [*staging.order, None]:
+            _reset(tree, clean)
+            names = (
+                staging.order if series is None else [*_needs(series, staging), series]
+            )
+            for name in names:
                 _git(
                     tree,
                     "am",
@@ -235,39 +308,84 @@ def git_am_all(sdist: pathlib.Path, mboxes: pathlib.Path) -> None:
                     "--whitespace=nowarn",
                     str(mboxes / f"{name}.mbox"),
                 )
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
-        for name in ORDER:
-            _git(tree, "am", "-q", "--whitespace=nowarn", str(mboxes / f"{name}.mbox"))
         count = _git(tree, "rev-list", "--count", "HEAD").strip()
         print(
-            f"git am: all {len(ORDER)} series apply in order "
-            f"({count} commits incl. the base)"
+            f"git am on vLLM {staging.version}: all {len(staging.order)} series "
+            f"apply in order ({count} commits incl. the base)"
         )
+
+
+README_BEGIN = "<!-- build_mbox.py --markdown: begin -->"
+README_END = "<!-- build_mbox.py --markdown: end -->"
+
+
+def _touched(diff: pathlib.Path) -> list[str]:
+    return [
+        line[len("+++ b/") :]
+        for line in diff.read_text().splitlines()
+        if line.startswith("+++ b/")
+    ]
+
+
+def markdown() -> str:
+    """Each series' pull requests as patches/README.md lists them: title,
+    description (the commit body), the files, the tests it adds."""
+    out = [README_BEGIN]
+    for series in ORDER:
+        needs = "".join(f" + {name}" for name in _needs(series))
+        out += ["", f"### {series} (`mbox/{series}.mbox`, on v0.11.2{needs})"]
+        diffs = _diffs(series)
+        for subject, body, numbers in COMMITS[series]:
+            files = [f for n in numbers for f in _touched(diffs[n])]
+            tests = [f for f in files if f.startswith("tests/")]
+            code = [f for f in files if not f.startswith("tests/")]
+            out += ["", f"**{subject}**", "", body]
+            out += ["", "Files: " + ", ".join(f"`{f}`" for f in code) + "."]
+            if tests:
+                out += ["", "Tests: " + ", ".join(f"`{f}`" for f in tests) + "."]
+    return "\n".join([*out, "", README_END]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
+    ap.add_argument(
+        "--staging",
+        choices=[*STAGINGS, "all"],
+        default="all",
+        help="0.11.2 (patches/), latest (patches/latest/) or both",
+    )
+    ap.add_argument(
+        "--markdown", action="store_true", help="print README.md's PR section"
+    )
     args = ap.parse_args(argv)
-    sdist = fetch_sdist.fetch("0.11.2")
-    if not args.check:
-        build(MBOX, sdist)
-        git_am_all(sdist, MBOX)
+    if args.markdown:
+        print(markdown(), end="")
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        fresh = pathlib.Path(tmp)
-        build(fresh, sdist)
-        stale = [
-            s
-            for s in ORDER
-            if not (MBOX / f"{s}.mbox").exists()
-            or (MBOX / f"{s}.mbox").read_text() != (fresh / f"{s}.mbox").read_text()
-        ]
+    chosen = (
+        list(STAGINGS.values()) if args.staging == "all" else [STAGINGS[args.staging]]
+    )
+    stale = []
+    for staging in chosen:
+        sdist = fetch_sdist.fetch(staging.version)
+        if not args.check:
+            build(staging.mbox, sdist, staging)
+            git_am_all(sdist, staging.mbox, staging)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            fresh = pathlib.Path(tmp)
+            build(fresh, sdist, staging)
+            stale += [
+                str((staging.mbox / f"{s}.mbox").relative_to(PATCHES))
+                for s in staging.order
+                if not (staging.mbox / f"{s}.mbox").exists()
+                or (staging.mbox / f"{s}.mbox").read_text()
+                != (fresh / f"{s}.mbox").read_text()
+            ]
+        git_am_all(sdist, staging.mbox, staging)
     if stale:
         print(f"stale mboxes (run patches/tools/build_mbox.py): {stale}")
         return 1
-    git_am_all(sdist, MBOX)
     return 0
 
 

@@ -71,7 +71,7 @@ PATCHES = ROOT / "patches"
 OUT = PATCHES / "latest"
 LATEST_VERSION = "0.33.0"  # the release the rewrites and edits are made for
 STAGED = ["shared-pool", "pp-kv-budget"]  # in patches/series order
-HAND_WRITTEN = {"README.md"}  # in patches/latest, not generated
+HAND_WRITTEN = {"README.md"}  # in patches/latest, not generated (nor mbox/)
 
 _KV = "vllm/distributed/kv_transfer/kv_connector/v1"
 
@@ -955,7 +955,9 @@ def compare(folder: pathlib.Path) -> list[str]:
     have = {
         p.relative_to(OUT)
         for p in OUT.rglob("*")
-        if p.is_file() and p.name not in HAND_WRITTEN
+        if p.is_file()
+        and p.name not in HAND_WRITTEN
+        and p.relative_to(OUT).parts[0] != "mbox"  # build_mbox.py's
     }
     for rel in sorted(made | have):
         if rel not in made:
