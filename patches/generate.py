@@ -1,13 +1,16 @@
 """Write the offloading and shared-pool series from the runtime modules.
 
-    python patches/generate.py           # (re)write the diffs
+    python patches/generate.py           # (re)write the diffs (and test diffs)
     python patches/generate.py --check   # exit 1 if a committed diff is stale
 
 These features are new code rather than edits of upstream functions, so
 their diffs add the overlay's modules to the vLLM tree under upstream module
 names (imports rewritten by ``MODULES``) and register the connectors and the
-offloading spec in vLLM's factories.  ``tests/unit/test_patch_series.py``
-runs ``--check``: a runtime module that changes without its diff fails.
+offloading spec in vLLM's factories.  Every series (hand-written ones too)
+also gets its upstream tests (``patches/upstream-tests``, listed in
+``tools/run_upstream_tests.TESTS``) as new-file diffs after its own.
+``tests/unit/test_patch_series.py`` runs ``--check``: a runtime module that
+changes without its diff fails.
 
 A new file is written in vLLM's style (``upstream_style``): the SPDX header,
 ``init_logger(__name__)`` for the overlay's ``logging.getLogger``, Triton
@@ -331,6 +334,41 @@ def _new_file(text: str, path: str) -> str:
     return f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n{body}"
 
 
+UPSTREAM_TESTS = PATCHES / "upstream-tests"
+TEST_DIFF = "-tests-v1-"  # in the name of a test diff, and only there
+
+
+def _upstream_tests() -> dict[str, list[str]]:
+    """series -> the vLLM test files it adds (``run_upstream_tests.TESTS``)."""
+    sys.path.insert(0, str(PATCHES / "tools"))
+    try:
+        import run_upstream_tests
+    finally:
+        sys.path.pop(0)
+    return run_upstream_tests.TESTS
+
+
+def test_diff_name(number: int, path: str) -> str:
+    return f"{number:04d}-{path.removesuffix('.py').replace('/', '-')}.patch"
+
+
+def render_tests() -> dict[pathlib.Path, str]:
+    """Each series' upstream tests (``patches/upstream-tests``) as new-file
+    diffs numbered after the series' own diffs (the generated ones, or the
+    hand-written ones on disk)."""
+    out = {}
+    for series, paths in _upstream_tests().items():
+        if series in SERIES:
+            count = len(SERIES[series])
+        else:
+            on_disk = (PATCHES / series).glob("*.patch")
+            count = sum(TEST_DIFF not in p.name for p in on_disk)
+        for i, path in enumerate(paths, start=count + 1):
+            text = (UPSTREAM_TESTS / path).read_text()
+            out[PATCHES / series / test_diff_name(i, path)] = _new_file(text, path)
+    return out
+
+
 def render() -> dict[pathlib.Path, str]:
     site = pathlib.Path(importlib.util.find_spec("vllm").origin).parents[1]
     appended: dict[str, str] = {}
@@ -347,7 +385,7 @@ def render() -> dict[pathlib.Path, str]:
                 appended[path] = old + addition
                 diff = _diff(old, appended[path], path)
             out[PATCHES / series / name] = diff
-    return out
+    return {**out, **render_tests()}
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ import pathlib
 import py_compile
 import shutil
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATCHES = ROOT / "patches"
@@ -87,8 +88,23 @@ def test_generated_series_are_current():
     the runtime modules: a module changed without its diff fails here."""
     generator = _generator()
     rendered = generator.render()
-    assert {p.parent.name for p in rendered} == set(generator.SERIES)
+    code = {p for p in rendered if generator.TEST_DIFF not in p.name}
+    assert {p.parent.name for p in code} == set(generator.SERIES)
     for path, text in rendered.items():
         assert path.read_text() == text, (
             f"{path.relative_to(ROOT)} is stale: python patches/generate.py"
         )
+
+
+def test_readme_lists_every_pull_request():
+    """patches/README.md's PR section is build_mbox.py --markdown."""
+    done = subprocess.run(
+        [sys.executable, str(PATCHES / "tools" / "build_mbox.py"), "--markdown"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout in (PATCHES / "README.md").read_text(), (
+        "patches/README.md is stale: paste python patches/tools/build_mbox.py "
+        "--markdown between its markers"
+    )
