@@ -1,0 +1,909 @@
+"""Prefix reuse: how much faster is my next request when its prefix is cached?
+
+One long prompt, time to first token (TTFT) and decode throughput under each
+way its KV can be had, real vLLM 0.11.2 with the overlay, every engine in its
+own process:
+
+* ``cold recompute``   - stock vLLM (overlay disabled, no KV connector), its
+                         device prefix cache reset first: the whole prompt is
+                         prefilled
+* ``device hit``       - the same stock engine, the same prompt again: vLLM's
+                         own prefix cache serves it
+* ``host, cross-layer`` - OverlayOffloadingConnector (cross-layer KV blocks:
+                         one copy per block); the engine computed the prompt
+                         before (its blocks were offloaded to host memory),
+                         then ``reset_prefix_cache()`` emptied the device
+                         cache, so the prefix comes back from host memory
+* ``host, per-layer``  - the same with the stock per-layer KV layout
+                         (``VLLM_OVERLAY_SKIP_PATCHES=CL-09``: 2 x layers
+                         copies per block)
+* ``pool, 2nd engine`` - SharedKVPoolConnector on a redis-server that this
+                         script starts on a free port: a writer engine
+                         computes the prompt and stores its blocks, then a
+                         second engine process, which never saw the prompt
+                         (and resets its device cache), loads it from the pool
+
+Every path is checked to have happened (cold: 0 cached tokens; device hit:
+vLLM's prefix-cache hit tokens = every full block; host and pool: the
+connector's own counters show blocks loaded and the cached tokens cover
+every full block) and its tokens are compared with the cold run's of the same
+round (greedy, ``ignore_eos``).
+
+TTFT and decode throughput come from vLLM's own request metrics
+(``RequestOutput.metrics``, a ``RequestStateStats``): TTFT =
+``first_token_latency`` (the request's arrival to the front end's step that
+returned its first token), decode tok/s = ``(num_generation_tokens - 1) /
+(last_token_ts - first_token_ts)`` (engine-core timestamps).  Not wall time
+around ``generate``.
+
+Rounds are interleaved: each round uses a new prompt (random token ids of
+the model's vocabulary), first lets the connector engines compute it (the
+offload engines store it to host memory, the pool writer to Redis; their
+own TTFT is kept as "cold with the connector storing"), then measures every
+path once, the order rotated from round to round.  Cells: median and
+[min, max] over rounds; ratios are taken within a round (paired) and then
+summarised the same way.
+
+The model: a Llama-shaped random-weight model built locally once
+(``vllm_overlay/models/build_bench_llama.py``: 16 layers, hidden 1024,
+8 KV heads of 64, float32: 64 KiB of KV per token, 128 MiB for the 16 full
+blocks of a 2100-token prompt) in ``~/.cache/vllm-overlay/models``.
+``--quick`` uses the tiny 4-layer model, a short prompt and one round (the
+smoke test).
+
+Engines: forked from this process after it imported vLLM (each child builds
+its own engine and registers the overlay with its own environment), all
+started at once and idle while another one is measured; one OpenMP thread
+each (``--threads``), so a measured engine has one core and the other core
+is left to redis-server, the pool's I/O threads and the machine.
+
+    python benchmarks/bench_prefix_reuse.py                 # 3 rounds, 2100 tokens
+    python benchmarks/bench_prefix_reuse.py --rounds 5 --threads 1
+    python benchmarks/bench_prefix_reuse.py --quick         # tiny model, ~1 min
+
+Writes ``benchmarks/results/prefix_reuse.{json,png}`` (``--quick``: under a
+temporary folder unless ``--json``/``--png`` are given).  Exit status 1
+when a path did not happen or its tokens differ from the cold run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# (key, label in the table, where the KV comes from, engine)
+PATHS = [
+    ("cold", "cold recompute", "prefill (no cached KV)", "stock"),
+    ("hit", "device hit (stock prefix cache)", "device cache", "stock"),
+    ("host_cl", "host reload, cross-layer", "host memory", "offload_cl"),
+    ("host_pl", "host reload, per-layer (CL-09 off)", "host memory", "offload_pl"),
+    ("pool", "pool reload, 2nd engine", "Redis pool", "pool_reader"),
+]
+ENGINES = {
+    "stock": {"connector": None, "env": {"VLLM_OVERLAY_DISABLE": "1"}},
+    "offload_cl": {"connector": "offload", "layout": "cross-layer"},
+    "offload_pl": {
+        "connector": "offload",
+        "layout": "per-layer",
+        "env": {"VLLM_OVERLAY_SKIP_PATCHES": "CL-09"},
+    },
+    "pool_writer": {"connector": "pool", "layout": "cross-layer"},
+    "pool_reader": {"connector": "pool", "layout": "cross-layer"},
+}
+FLUSH_PROMPT = [5]  # one token: a step that completes pending stores
+
+
+def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
+    """n random token ids (special tokens 0-2 left out), one prompt per seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+# -- engine side (a forked child) ---------------------------------------------
+class EngineServer:
+    def __init__(self, spec: dict) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in-process
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc
+        os.environ.update(spec.get("env") or {})
+        import logging
+
+        import torch
+        import vllm.logger  # noqa: F401  (configures vLLM's loggers first)
+
+        from vllm_overlay.demo_node import _enable_request_metrics, _LayoutLines
+
+        torch.set_num_threads(spec["threads"])
+        self.spec = spec
+        self.layout_lines = _LayoutLines()
+        overlay_logger = logging.getLogger("vllm.overlay")
+        overlay_logger.addHandler(self.layout_lines)
+        if overlay_logger.getEffectiveLevel() > logging.INFO:
+            overlay_logger.setLevel(logging.INFO)
+
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kv = None
+        if spec["connector"] == "offload":
+            kv = KVTransferConfig(
+                kv_connector="OverlayOffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"cpu_bytes": spec["host_bytes"]},
+            )
+        elif spec["connector"] == "pool":
+            kv = KVTransferConfig(
+                kv_connector="SharedKVPoolConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "url": spec["url"],
+                    "namespace": "prefix-reuse",
+                    "timeout_s": 10.0,
+                    "connect_timeout_s": 2.0,
+                    "max_inflight_bytes": spec["pool_inflight_bytes"],
+                },
+            )
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=spec["model"],
+            dtype="float32",
+            max_model_len=spec["max_model_len"],
+            num_gpu_blocks_override=spec["num_blocks"],
+            enforce_eager=True,
+            seed=0,
+            kv_transfer_config=kv,
+        )
+        self.engine_s = time.perf_counter() - started
+        if not _enable_request_metrics(self.llm):
+            raise RuntimeError("vLLM's request metrics could not be enabled")
+        self.scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+
+    # connector counters, from the worker (in-process)
+    def _info(self) -> dict:
+        if self.spec["connector"] is None:
+            return {}
+        from vllm_overlay.demo_node import _worker_info
+
+        return self.llm.collective_rpc(_worker_info)[0]
+
+    def _counters(self) -> dict:
+        totals = self._info().get("totals") or {}
+        if self.spec["connector"] == "offload":
+            load, store = totals.get("load", {}), totals.get("store", {})
+            return {
+                "loaded_blocks": load.get("blocks", 0),
+                "loaded_bytes": load.get("bytes", 0),
+                "load_copy_calls": load.get("copy_calls", 0),
+                "load_s": load.get("seconds", 0.0),
+                "stored_blocks": store.get("blocks", 0),
+            }
+        if self.spec["connector"] == "pool":
+            return {
+                "loaded_blocks": totals.get("loaded_blocks", 0),
+                "loaded_bytes": totals.get("bytes_in", 0),
+                "load_s": totals.get("io_seconds_in", 0.0),
+                "stored_blocks": totals.get("stored_blocks", 0)
+                + totals.get("skipped_existing", 0),
+                "load_failures": totals.get("load_failures", 0),
+                "errors": totals.get("errors", 0),
+            }
+        return {}
+
+    def _generate(self, ids: list[int], max_tokens: int):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False
+        )[0]
+
+    def flush(self) -> dict:
+        """One more step completes the finished requests' stores and frees
+        their blocks (the pool also drains its write queue)."""
+        self._generate(FLUSH_PROMPT, 1)
+        return self._counters()
+
+    def reset(self) -> bool:
+        """Empty the device prefix cache (the scheduler's call returns
+        whether it could: LLM.reset_prefix_cache returns None in 0.11.2)."""
+        for _ in range(5):
+            if self.scheduler.reset_prefix_cache():
+                return True
+            self._generate(FLUSH_PROMPT, 1)
+        return False
+
+    def run(self, cmd: dict) -> dict:
+        ids = prompt_ids(cmd["seed"], cmd["n"], cmd["vocab"])
+        reset_ok = None
+        if cmd.get("flush"):
+            self.flush()
+        if cmd.get("reset"):
+            reset_ok = self.reset()
+        before = self._counters()
+        t0 = time.perf_counter()
+        out = self._generate(ids, cmd["max_tokens"])
+        wall = time.perf_counter() - t0
+        after = self._counters()
+        m = out.metrics
+        n_gen = m.num_generation_tokens
+        decode_s = m.last_token_ts - m.first_token_ts
+        return {
+            "tokens": list(out.outputs[0].token_ids),
+            "prompt_tokens": len(out.prompt_token_ids),
+            "cached_tokens": out.num_cached_tokens or 0,
+            "ttft_s": m.first_token_latency,
+            "generation_tokens": n_gen,
+            "decode_s": decode_s,
+            "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 else None,
+            "wall_s": wall,
+            "reset_ok": reset_ok,
+            "moved": {k: after[k] - before.get(k, 0) for k in after},
+        }
+
+    def describe(self) -> dict:
+        import resource
+
+        info = self._info()
+        info.pop("totals", None)
+        return {
+            "layout_lines": list(self.layout_lines.lines),
+            "block_size": self.block_size,
+            "num_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+            "engine_s": self.engine_s,
+            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            **info,
+        }
+
+    def serve(self, rfile, wfile) -> None:
+        for line in rfile:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "quit":
+                return
+            try:
+                if op == "run":
+                    result = self.run(cmd)
+                elif op == "flush":
+                    result = self.flush()
+                elif op == "describe":
+                    result = self.describe()
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+                reply = {"ok": True, "result": result}
+            except Exception as exc:  # noqa: BLE001 - reported to the driver
+                import traceback
+
+                traceback.print_exc()
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            wfile.write(json.dumps(reply) + "\n")
+            wfile.flush()
+
+
+# -- driver side ---------------------------------------------------------------
+class Engine:
+    """An engine in a forked child of this process, driven over two pipes
+    (JSON lines); its stdout/stderr go to a log file."""
+
+    def __init__(self, name: str, spec: dict, workdir: str) -> None:
+        self.name = name
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        cmd_r, cmd_w = os.pipe()
+        res_r, res_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child never returns from here
+            code = 1
+            try:
+                os.close(cmd_w)
+                os.close(res_r)
+                log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT, 0o644)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                with (
+                    os.fdopen(cmd_r) as rfile,
+                    os.fdopen(res_w, "w") as wfile,
+                ):
+                    server = EngineServer(spec)
+                    wfile.write(json.dumps({"ok": True, "result": "ready"}) + "\n")
+                    wfile.flush()
+                    server.serve(rfile, wfile)
+                code = 0
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # no vLLM teardown, no parent atexit hooks
+        os.close(cmd_r)
+        os.close(res_w)
+        self.wfile = os.fdopen(cmd_w, "w")
+        self.rfile = os.fdopen(res_r)
+
+    def _reply(self):
+        line = self.rfile.readline()
+        if not line:
+            raise RuntimeError(self._failure("exited"))
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError(self._failure(reply["error"]))
+        return reply["result"]
+
+    def _failure(self, what: str) -> str:
+        try:
+            tail = pathlib.Path(self.log_path).read_text()[-3000:]
+        except OSError:
+            tail = ""
+        return f"engine {self.name}: {what} (log {self.log_path}):\n{tail}"
+
+    def wait_ready(self) -> None:
+        self._reply()
+
+    def call(self, op: str, **kwargs):
+        self.wfile.write(json.dumps({"op": op, **kwargs}) + "\n")
+        self.wfile.flush()
+        return self._reply()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.wfile.write(json.dumps({"op": "quit"}) + "\n")
+            self.wfile.flush()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, 9)
+        os.waitpid(self.pid, 0)
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 1 round")
+    ap.add_argument("--rounds", type=int, help="default 3 (--quick: 1)")
+    ap.add_argument("--prompt-tokens", type=int, help="default 2100 (--quick: 300)")
+    ap.add_argument("--max-tokens", type=int, help="default 32 (--quick: 8)")
+    ap.add_argument("--threads", type=int, default=1, help="OpenMP threads/engine")
+    ap.add_argument("--model", help="a model folder (default: built/cached)")
+    ap.add_argument("--no-pool", action="store_true", help="leave the pool out")
+    ap.add_argument("--json", help="default benchmarks/results/prefix_reuse.json")
+    ap.add_argument("--png", help="default benchmarks/results/prefix_reuse.png")
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument(
+        "--replot", metavar="JSON", help="print the table, redraw the PNG of a run"
+    )
+    args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(pathlib.Path(args.replot).read_text())
+        print_table(saved["rows"], saved["meta"], saved["engines"], saved["runs"])
+        png = pathlib.Path(args.png or pathlib.Path(args.replot).with_suffix(".png"))
+        plot(saved["rows"], saved["meta"], png)
+        print(f"PNG: {png}")
+        return 0
+    # Before torch is imported anywhere in this process (libgomp reads it
+    # once): the forked engines inherit it.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    rounds = args.rounds or (1 if args.quick else 3)
+    n_prompt = args.prompt_tokens or (300 if args.quick else 2100)
+    max_tokens = args.max_tokens or (8 if args.quick else 32)
+    started = time.perf_counter()
+    load_start = _loadavg()
+
+    sys.path.insert(0, str(ROOT))
+    from vllm_overlay.demo import _quiet, cpu_defaults, tiny_model_path
+
+    cpu_defaults()  # HF offline, nobind, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+    if args.model:
+        model = args.model
+    elif args.quick:
+        model = tiny_model_path()
+    else:  # built once (in a child: its 760 MB of weights stay out of here)
+        import subprocess
+
+        built = subprocess.run(
+            [sys.executable, "-m", "vllm_overlay.models.build_bench_llama"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        if built.returncode:
+            raise SystemExit(f"building the model failed:\n{built.stderr[-3000:]}")
+        model = built.stdout.splitlines()[0]
+    cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = (
+        2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    )
+    prompt_kv = n_prompt * kv_per_token
+    vocab = cfg["vocab_size"]
+
+    paths = [p for p in PATHS if not (args.no_pool and p[0] == "pool")]
+    engines_wanted = {p[3] for p in paths}
+    if not args.no_pool:
+        engines_wanted.add("pool_writer")
+        if shutil.which("redis-server") is None:
+            raise SystemExit("redis-server is not on PATH (or use --no-pool)")
+    workdir = tempfile.mkdtemp(prefix="bench-prefix-reuse-")
+    print(
+        f"prefix reuse: model {model} ({cfg['num_hidden_layers']} layers, hidden "
+        f"{cfg['hidden_size']}), prompt {n_prompt} tokens = "
+        f"{prompt_kv / 2**20:.2f} MiB of KV, {rounds} round(s); engine logs "
+        f"in {workdir}",
+        flush=True,
+    )
+
+    # Import vLLM once here: each forked engine then only builds itself.
+    with _quiet(os.path.join(workdir, "import.log")):
+        import vllm.logger  # noqa: F401
+        from vllm import LLM  # noqa: F401
+        from vllm.config import KVTransferConfig  # noqa: F401
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.redis_server import RedisServer
+
+    with contextlib.ExitStack() as stack:
+        url = None
+        if not args.no_pool:
+            server = RedisServer()
+            stack.callback(shutil.rmtree, server.dir, True)
+            stack.callback(server.stop)
+            url = server.url
+        base = {
+            "model": model,
+            "threads": args.threads,
+            "max_model_len": max(1024, n_prompt + max_tokens + 256),
+            # Device KV: room for 4 prompts (a warm-up, the prompt, a
+            # flush...) in CPU_ATTN's 128-token blocks, not 1 GiB each.
+            "num_blocks": max(32, 4 * -(-(n_prompt + max_tokens) // 128)),
+            "host_bytes": max(16 << 20, 4 * prompt_kv),
+            "pool_inflight_bytes": max(256 << 20, 2 * prompt_kv),
+            "url": url,
+        }
+        engines: dict[str, Engine] = {}
+        for name in ENGINES:
+            if name in engines_wanted:
+                engines[name] = Engine(name, {**base, **ENGINES[name]}, workdir)
+                stack.callback(engines[name].stop)
+        for engine in engines.values():
+            engine.wait_ready()
+        up_s = time.perf_counter() - started
+        info = {name: e.call("describe") for name, e in engines.items()}
+        block = info["stock"]["block_size"]
+        for name, i in info.items():
+            if i["num_blocks"] * block < 2 * (n_prompt + max_tokens):
+                raise SystemExit(
+                    f"engine {name}: {i['num_blocks']} KV blocks of {block} "
+                    "tokens hold less than two prompts"
+                )
+        full_blocks = (n_prompt - 1) // block
+        expect_cached = full_blocks * block
+        print(
+            f"engines up in {up_s:.0f} s ({', '.join(engines)}); cache block "
+            f"{block} tokens, {full_blocks} full blocks = {expect_cached} tokens "
+            f"({expect_cached * kv_per_token / 2**20:.2f} MiB) can come from a "
+            "cache",
+            flush=True,
+        )
+
+        # Warm-up (not measured): a short prompt through every path once,
+        # so first-call costs (kernels, buffers, connections) are paid.
+        warm = {"n": min(n_prompt, 2 * block + 7), "vocab": vocab, "max_tokens": 2}
+        for name, engine in engines.items():
+            engine.call("run", seed=1, **warm)
+            if ENGINES[name]["connector"] is not None:
+                engine.call("run", seed=1, flush=True, reset=True, **warm)
+            else:
+                engine.call("run", seed=1, **warm)
+
+        runs: list[dict] = []
+        problems: list[str] = []
+        for r in range(rounds):
+            seed = args.seed + r
+            shift = r % len(paths)
+            order = paths[shift:] + paths[:shift]
+            keys = [p[0] for p in order]
+            cmd = {
+                "seed": seed,
+                "n": n_prompt,
+                "vocab": vocab,
+                "max_tokens": max_tokens,
+            }
+            rec = {"round": r + 1, "seed": seed, "order": keys, "prepare": {}}
+            # The KV every path reuses must exist first: the connector
+            # engines compute the prompt (storing it); the stock engine too
+            # when the device hit comes before the cold run.
+            if "hit" in keys and keys.index("hit") < keys.index("cold"):
+                rec["prepare"]["stock"] = engines["stock"].call("run", **cmd)
+            for name in ("offload_cl", "offload_pl", "pool_writer"):
+                if name in engines:
+                    rec["prepare"][name] = engines[name].call("run", **cmd)
+            if "pool_writer" in engines:
+                rec["writer_after_flush"] = engines["pool_writer"].call("flush")
+            rec["paths"] = {}
+            for key, _label, _src, name in order:
+                time.sleep(0.3)  # let the last engine's threads go idle
+                connector = ENGINES[name]["connector"] is not None
+                rec["paths"][key] = engines[name].call(
+                    "run",
+                    flush=connector,
+                    reset=key != "hit",
+                    **cmd,
+                )
+            runs.append(rec)
+            problems += check_round(rec, expect_cached, n_prompt, full_blocks)
+            print(
+                f"round {r + 1}/{rounds} done ({', '.join(keys)}): TTFT ms "
+                + ", ".join(f"{k} {1e3 * rec['paths'][k]['ttft_s']:.0f}" for k in keys),
+                flush=True,
+            )
+        info = {name: e.call("describe") for name, e in engines.items()}
+        problems += check_layouts(info)
+
+    wall = time.perf_counter() - started
+    meta = {
+        "model": model,
+        "layers": cfg["num_hidden_layers"],
+        "hidden": cfg["hidden_size"],
+        "kv_heads": cfg["num_key_value_heads"],
+        "head_dim": head_dim,
+        "kv_bytes_per_token": kv_per_token,
+        "prompt_tokens": n_prompt,
+        "prompt_kv_bytes": prompt_kv,
+        "cacheable_tokens": expect_cached,
+        "block_size": block,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "threads_per_engine": args.threads,
+        "cpus": os.cpu_count(),
+        "loadavg_start": load_start,
+        "loadavg_end": _loadavg(),
+        "wall_s": wall,
+        "engines_up_s": up_s,
+        "quick": args.quick,
+    }
+    rows = summarise(runs, paths)
+    print()
+    print_table(rows, meta, info, runs)
+    for p in problems:
+        print(f"PROBLEM: {p}")
+    out_dir = (
+        pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-reuse-out-"))
+        if args.quick
+        else RESULTS
+    )
+    json_path = pathlib.Path(args.json or out_dir / "prefix_reuse.json")
+    png_path = pathlib.Path(args.png or out_dir / "prefix_reuse.png")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "rows": rows,
+                "engines": info,
+                "runs": runs,
+                "problems": problems,
+            },
+            indent=1,
+        )
+    )
+    print(f"JSON: {json_path}")
+    try:
+        plot(rows, meta, png_path)
+        print(f"PNG: {png_path}")
+    except ImportError:
+        print("PNG: skipped (matplotlib is not installed)")
+    print(f"wall time {wall:.0f} s (engines up after {up_s:.0f} s)")
+    if not problems:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if problems else 0
+
+
+# -- checks --------------------------------------------------------------------
+def check_round(
+    rec: dict, expect_cached: int, n_prompt: int, full_blocks: int
+) -> list[str]:
+    """Did each path really happen, and are its tokens the cold run's?"""
+    out = []
+    r = rec["round"]
+    cold = rec["paths"]["cold"]["tokens"]
+    for key, res in rec["paths"].items():
+        bad = []
+        if res["prompt_tokens"] != n_prompt:
+            bad.append(f"prompt {res['prompt_tokens']} tokens")
+        if res["reset_ok"] is False:
+            bad.append("the device prefix cache could not be reset")
+        cached = res["cached_tokens"]
+        moved = res["moved"]
+        if key == "cold":
+            if cached:
+                bad.append(f"{cached} cached tokens (expected 0)")
+        elif cached != expect_cached:
+            bad.append(f"{cached} cached tokens (expected {expect_cached})")
+        if key in ("host_cl", "host_pl", "pool"):
+            if moved.get("loaded_blocks", 0) != full_blocks:
+                bad.append(
+                    f"the connector loaded {moved.get('loaded_blocks', 0)} "
+                    f"blocks (expected {full_blocks})"
+                )
+        elif moved.get("loaded_blocks"):
+            bad.append(f"{moved['loaded_blocks']} blocks loaded by a connector")
+        res["path_ok"] = not bad
+        res["same_tokens_as_cold"] = res["tokens"] == cold
+        if not res["same_tokens_as_cold"]:
+            bad.append("tokens differ from the cold run's")
+        out += [f"round {r}, {key}: {b}" for b in bad]
+    return out
+
+
+def check_layouts(info: dict) -> list[str]:
+    out = []
+    for name, spec in ENGINES.items():
+        if name not in info or "layout" not in spec:
+            continue
+        want = spec["layout"] == "cross-layer"
+        if info[name].get("cross_layer") is not want:
+            out.append(
+                f"engine {name}: expected the {spec['layout']} KV layout, "
+                f"got {info[name].get('layout_lines')}"
+            )
+    return out
+
+
+# -- report --------------------------------------------------------------------
+def summarise(runs: list[dict], paths: list[tuple]) -> list[dict]:
+    rows = []
+    for key, label, source, engine in paths:
+        res = [run["paths"][key] for run in runs]
+        cold = [run["paths"]["cold"] for run in runs]
+        hit = [run["paths"]["hit"] for run in runs]
+        ttft = [x["ttft_s"] for x in res]
+        decode = [x["decode_tok_s"] for x in res if x["decode_tok_s"]]
+        cold_decode = [c["decode_tok_s"] for c in cold if c["decode_tok_s"]]
+        rows.append(
+            {
+                "key": key,
+                "path": label,
+                "kv_from": source,
+                "engine": engine,
+                "rounds": len(res),
+                "path_ok": sum(x["path_ok"] for x in res),
+                "same_tokens_as_cold": sum(x["same_tokens_as_cold"] for x in res),
+                "cached_tokens": sorted({x["cached_tokens"] for x in res}),
+                "prompt_tokens": res[0]["prompt_tokens"],
+                "loaded_blocks": sorted(
+                    {x["moved"].get("loaded_blocks", 0) for x in res}
+                ),
+                "loaded_bytes": statistics.median(
+                    x["moved"].get("loaded_bytes", 0) for x in res
+                ),
+                "load_copy_calls": statistics.median(
+                    x["moved"].get("load_copy_calls", 0) for x in res
+                ),
+                "load_s": _stats([x["moved"].get("load_s", 0.0) for x in res]),
+                "ttft_s": _stats(ttft),
+                "speedup_vs_cold": _stats(
+                    [c["ttft_s"] / x["ttft_s"] for c, x in zip(cold, res)]
+                ),
+                "ttft_vs_hit": _stats(
+                    [x["ttft_s"] / h["ttft_s"] for h, x in zip(hit, res)]
+                ),
+                "decode_tok_s": _stats(decode) if decode else None,
+                "decode_vs_cold": _stats(
+                    [
+                        x["decode_tok_s"] / c["decode_tok_s"]
+                        for c, x in zip(cold, res)
+                        if x["decode_tok_s"] and c["decode_tok_s"]
+                    ]
+                )
+                if decode and cold_decode
+                else None,
+            }
+        )
+    return rows
+
+
+def _range(s: dict | None, fmt: str, scale: float = 1.0) -> str:
+    if s is None:
+        return "-"
+    m, lo, hi = (scale * s[k] for k in ("median", "min", "max"))
+    return f"{m:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
+def print_table(rows: list[dict], meta: dict, info: dict, runs: list[dict]) -> None:
+    print(
+        f"Prefix reuse on CPU: {meta['layers']}-layer Llama-shaped model "
+        f"(hidden {meta['hidden']}, {meta['kv_heads']} KV heads x "
+        f"{meta['head_dim']}, float32, random weights), one prompt of "
+        f"{meta['prompt_tokens']} tokens ({meta['cacheable_tokens']} in full "
+        f"{meta['block_size']}-token blocks = "
+        f"{meta['cacheable_tokens'] * meta['kv_bytes_per_token'] / 2**20:.2f} MiB "
+        f"of KV), {meta['max_tokens']} tokens generated greedily; "
+        f"{meta['rounds']} interleaved round(s), a new prompt each, order rotated; "
+        f"{meta['threads_per_engine']} OpenMP thread(s) per engine, "
+        f"{meta['cpus']} CPUs, load average {meta['loadavg_start']} at the start, "
+        f"{meta['loadavg_end']} at the end."
+    )
+    print()
+    head = [
+        "path",
+        "KV comes from",
+        "path happened (rounds)",
+        "tokens from cache / prompt",
+        "KV loaded per request (connector counters: blocks, MiB, copies; "
+        "transfer ms median)",
+        "TTFT ms: median [min, max]",
+        "TTFT speed-up vs cold (x): median [min, max]",
+        "TTFT / device hit TTFT (x): median [min, max]",
+        "decode tok/s: median [min, max]",
+        "decode tok/s / cold's (x): median",
+        "same tokens as cold (rounds)",
+    ]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        cached = "/".join(str(c) for c in row["cached_tokens"])
+        blocks = "/".join(str(b) for b in row["loaded_blocks"])
+        loaded = "-"
+        if any(row["loaded_blocks"]):
+            loaded = f"{blocks} blocks, {row['loaded_bytes'] / 2**20:.1f} MiB"
+            copies = row["load_copy_calls"]
+            if copies:
+                loaded += f", {copies:.0f} cop{'y' if copies == 1 else 'ies'}"
+            ms = 1e3 * row["load_s"]["median"]
+            loaded += f"; {ms:.{1 if ms < 10 else 0}f} ms"
+        dec_ratio = (
+            f"{row['decode_vs_cold']['median']:.2f}" if row["decode_vs_cold"] else "-"
+        )
+        cells = [
+            row["path"],
+            row["kv_from"],
+            f"{row['path_ok']}/{row['rounds']}",
+            f"{cached} / {row['prompt_tokens']}",
+            loaded,
+            _range(row["ttft_s"], ".0f", 1e3),
+            _range(row["speedup_vs_cold"], ".2f"),
+            _range(row["ttft_vs_hit"], ".2f"),
+            _range(row["decode_tok_s"], ".1f"),
+            dec_ratio,
+            f"{row['same_tokens_as_cold']}/{row['rounds']}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+    print()
+    print(
+        "TTFT: vLLM's RequestOutput.metrics.first_token_latency (arrival to the "
+        "step that returned the first token); decode tok/s: (num_generation_tokens"
+        " - 1) / (last_token_ts - first_token_ts).  Ratios are per round (paired)."
+    )
+    for name, i in info.items():
+        if i.get("layout_lines"):
+            layout = i["layout_lines"][-1].replace("vllm-overlay: ", "")
+        elif name == "stock":
+            layout = "stock vLLM (overlay disabled, no KV connector)"
+        else:
+            layout = "per-layer KV tensors (stock allocation: no layout line)"
+        extra = ""
+        if i.get("runs_per_block"):
+            runs_ = i["runs_per_block"]
+            extra = f"; {runs_} cop{'y' if runs_ == 1 else 'ies'} per block"
+            if i.get("method"):
+                extra += f" ({i['method']})"
+        print(
+            f"engine {name}: {layout}{extra}; built in {i['engine_s']:.1f} s, "
+            f"max RSS {i['max_rss_mib']:.0f} MiB"
+        )
+    prep: dict[str, list[float]] = {}
+    for run in runs:
+        for name, res in run["prepare"].items():
+            prep.setdefault(name, []).append(res["ttft_s"])
+    if prep:
+        print(
+            "cold prefill with the connector storing (the prepare runs, TTFT ms "
+            "median): "
+            + ", ".join(
+                f"{n} {1e3 * statistics.median(v):.0f}" for n, v in prep.items()
+            )
+        )
+
+
+def plot(rows: list[dict], meta: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["path"].replace(", ", ",\n").replace(" (", "\n(") for r in rows]
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]}
+    )
+    colours = ["#888888", "#4c72b0", "#55a868", "#c44e52", "#8172b2"]
+    ttft = [1e3 * r["ttft_s"]["median"] for r in rows]
+    lo = [t - 1e3 * r["ttft_s"]["min"] for t, r in zip(ttft, rows)]
+    hi = [1e3 * r["ttft_s"]["max"] - t for t, r in zip(ttft, rows)]
+    x = range(len(rows))
+    ax1.bar(x, ttft, yerr=[lo, hi], capsize=5, color=colours[: len(rows)])
+    top = max(1e3 * r["ttft_s"]["max"] for r in rows)
+    if max(ttft) / max(min(ttft), 1e-9) > 20:
+        ax1.set_yscale("log")
+        ax1.set_ylim(top=top * 3)  # room for the labels
+    else:
+        ax1.set_ylim(top=top * 1.3)
+    for i, (t, r) in enumerate(zip(ttft, rows)):
+        speed = r["speedup_vs_cold"]["median"]
+        note = f"{t:.0f} ms" + (f"\n{speed:.1f}x faster" if r["key"] != "cold" else "")
+        ax1.annotate(
+            note,
+            (i, 1e3 * r["ttft_s"]["max"]),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax1.set_xticks(list(x), labels, fontsize=8)
+    ax1.set_ylabel("time to first token, ms (median; whiskers min-max)")
+    ax1.set_title(
+        f"TTFT, {meta['prompt_tokens']}-token prompt, "
+        f"{meta['layers']}-layer model ({meta['rounds']} rounds)",
+        fontsize=10,
+    )
+    dec = [r["decode_tok_s"]["median"] if r["decode_tok_s"] else 0 for r in rows]
+    dlo = [d - (r["decode_tok_s"] or {"min": d})["min"] for d, r in zip(dec, rows)]
+    dhi = [(r["decode_tok_s"] or {"max": d})["max"] - d for d, r in zip(dec, rows)]
+    ax2.bar(x, dec, yerr=[dlo, dhi], capsize=5, color=colours[: len(rows)])
+    ax2.set_xticks(list(x), labels, fontsize=7)
+    ax2.set_ylabel("decode tokens/s (median; whiskers min-max)")
+    ax2.set_title(f"decode throughput ({meta['max_tokens']} tokens)", fontsize=10)
+    fig.text(
+        0.01,
+        0.01,
+        'TTFT and decode from vLLM\'s request metrics; "x faster" = median over '
+        "rounds of the round's cold TTFT / the path's TTFT (paired).  1-min load "
+        f"average {(meta['loadavg_start'] or ['?'])[0]} at the start, "
+        f"{(meta['loadavg_end'] or ['?'])[0]} at the end.",
+        fontsize=7,
+    )
+    fig.suptitle(
+        "Prefix reuse on CPU (vLLM 0.11.2 + vllm-overlay; "
+        f"{meta['threads_per_engine']} thread/engine, {meta['cpus']} shared CPUs)",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
