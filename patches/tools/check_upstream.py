@@ -82,7 +82,11 @@ NOT_APPLICABLE = {
     "markdownlint-cli2": "markdown only",
 }
 SKIPPED = {"mypy": "needs vLLM's full dependency set (not offline)"}
-IDENTITY = re.compile(r"vllm_overlay|vllm\.overlay|vllm-overlay", re.IGNORECASE)
+IDENTITY = re.compile(
+    r"vllm_overlay|vllm\.overlay|vllm-overlay|(?-i:\bOverlay[A-Z]\w*)"
+    r"|knows nothing of vllm",
+    re.IGNORECASE,
+)
 
 
 @dataclasses.dataclass
