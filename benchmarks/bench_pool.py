@@ -19,7 +19,8 @@ one):
   thread parses each reply and reads the header and the payload straight
   into preallocated rows (the worker's load ring);
 * ``pool -> staging + check``: the same, and each value checked in place on
-  the load thread (header fields, CRC-32), as the worker's loads are.
+  the load thread as soon as it landed (header fields, CRC-32), as the
+  worker's loads are.
 
 Rounds are interleaved (the readers' order rotates every round); the table
 gives the median and [min, max] of each column over the rounds, and ratios
@@ -41,6 +42,7 @@ stores cost the engine loop is measured by ``bench_pool_liveness.py``
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import re
@@ -147,11 +149,10 @@ class PoolReader:
             return None
         return [self.heads[i].data, self.rows[i].data]
 
-    def _check(self, keys: list[bytes], values: list) -> int:
-        for i, (key, value) in enumerate(zip(keys, values)):
-            assert value is not None and not isinstance(value, bytes), key
-            codec.check(NS, key, self.heads[i], self.rows[i], self.size, LAYOUT)
-        return len(values)
+    def _check(self, keys: list[bytes], i: int, value) -> None:
+        """As the worker: each value checked in place as soon as it landed."""
+        assert value is not None and not isinstance(value, bytes), keys[i]
+        codec.check(NS, keys[i], self.heads[i], self.rows[i], self.size, LAYOUT)
 
     def read(self, keys: list[bytes], check: bool) -> float:
         """Seconds to read ``keys``: one load job per batch of the rows'
@@ -166,16 +167,13 @@ class PoolReader:
                 i,
                 chunk,
                 value_bytes,
-                prepare=(lambda v, c=chunk: self._check(c, v)) if check else None,
                 into=self._into,
+                landed=functools.partial(self._check, chunk) if check else None,
             )
             while not (done := self.pool.poll_loads()):
                 self.pool.wait_for_loads(0.01)
             ((_, result),) = done
-            if check:
-                assert result == len(chunk)
-            else:
-                assert all(v is not None and len(v) == value_bytes for v in result)
+            assert all(v is not None and len(v) == value_bytes for v in result)
         return time.perf_counter() - start
 
     def close(self) -> None:

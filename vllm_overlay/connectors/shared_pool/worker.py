@@ -282,13 +282,17 @@ class SharedPoolWorker:
         for req_id, (block_ids, chain) in meta.loads.items():
             keys = [self._key(h) for h in chain]
             start, n = self._load_ring.alloc(len(keys))
+            checked: list = [None] * len(keys)  # filled as values land
             fetched = self.pool.submit_load(
                 req_id,
                 keys,
                 value_bytes=value_bytes,
-                prepare=functools.partial(self._prepare_load, block_ids, keys, start),
+                prepare=functools.partial(
+                    self._prepare_load, block_ids, keys, start, checked
+                ),
                 into=functools.partial(self._load_into, start),
                 max_keys=n,
+                landed=functools.partial(self._check_landed, keys, start, checked),
             )
             if n and not fetched:
                 self._load_ring.release(start)
@@ -304,35 +308,50 @@ class SharedPoolWorker:
         ring = self._load_ring
         return [ring.heads[start + i].data, ring.rows_np[start + i].data]
 
-    def _prepare_load(self, block_ids, keys, start, values) -> _ReadyLoad:
-        """Runs on the pool's load thread: check each value where it was
-        read (header and payload rows of the load ring)."""
-        ready = _ReadyLoad(start=start)
-        ring = self._load_ring
-        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values)):
-            try:
-                if value is None:
-                    raise codec.BadValue("missing")
-                if isinstance(value, (bytes, bytearray)):  # not our length
-                    codec.decode(
-                        self.ns,
-                        key,
-                        value,
-                        self._table.block_bytes,
-                        self._layout,
-                        self._mac_key,
-                    )
-                    raise codec.BadValue(f"value of {len(value)} B")  # unreachable
-                codec.check(
+    def _check_value(self, key: bytes, row: int, value) -> codec.BadValue | None:
+        """Runs on the load thread: the refusal of one value (None: good)."""
+        try:
+            if value is None:
+                raise codec.BadValue("missing")
+            if isinstance(value, (bytes, bytearray)):  # not our length
+                codec.decode(
                     self.ns,
                     key,
-                    ring.heads[start + i],
-                    ring.rows_np[start + i],
+                    value,
                     self._table.block_bytes,
                     self._layout,
                     self._mac_key,
                 )
-            except codec.BadValue as exc:
+                raise codec.BadValue(f"value of {len(value)} B")  # (decode raised)
+            ring = self._load_ring
+            codec.check(
+                self.ns,
+                key,
+                ring.heads[row],
+                ring.rows_np[row],
+                self._table.block_bytes,
+                self._layout,
+                self._mac_key,
+            )
+        except codec.BadValue as exc:
+            return exc
+        return None
+
+    def _check_landed(self, keys, start, checked, i: int, value) -> None:
+        """Runs on the load thread as soon as value ``i`` is read: checked
+        in place while the server sends the next ones."""
+        checked[i] = (self._check_value(keys[i], start + i, value),)
+
+    def _prepare_load(self, block_ids, keys, start, checked, values) -> _ReadyLoad:
+        """Runs on the pool's load thread once every value is read: each
+        value's check (done as it landed, or now)."""
+        ready = _ReadyLoad(start=start)
+        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values)):
+            done = checked[i]
+            exc = done[0] if done is not None else None
+            if done is None or value is None:
+                exc = self._check_value(key, start + i, value)
+            if exc is not None:
                 ready.failed_ids.append(block_id)
                 if value is not None:
                     if exc.delete:

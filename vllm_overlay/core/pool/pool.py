@@ -717,8 +717,10 @@ class KVPool:
         ]
 
     def _exchange(self, client, requests: list, retry: bool = True) -> list:
-        """Send ``requests`` (key, command pieces, ``into`` or None) as one
-        pipeline per server and read every reply (``RespReader.reply``):
+        """Send ``requests`` (key, command pieces, ``into`` or None[, a
+        callback for the reply]) as one pipeline per server and read every
+        reply (``RespReader.reply``; the callback, if any, gets each reply
+        that is not an error as soon as it is read):
         error replies come back as exception instances, in place.  A
         cluster's MOVED updates the client's slot map and is tried once
         more; a redirect left after that is a ``_Redirected``.  A socket
@@ -737,7 +739,9 @@ class KVPool:
             for _, conn, idxs in taken:
                 reader = RespReader(conn._sock)
                 for i in idxs:
-                    replies[i] = reader.reply(requests[i][2])
+                    replies[i] = reply = reader.reply(requests[i][2])
+                    if len(requests[i]) > 3 and not isinstance(reply, Exception):
+                        requests[i][3](reply)  # e.g. check it while more arrive
                 if reader.buffered:
                     raise redis.InvalidResponse("more bytes than replies")
         except BaseException as exc:
@@ -780,6 +784,7 @@ class KVPool:
         prepare=None,
         into=None,
         max_keys: int | None = None,
+        landed=None,
     ) -> int:
         """Fetch ``keys`` in the background.  With ``value_bytes`` (the size
         of one value), only the leading keys that fit under the in-flight
@@ -789,7 +794,10 @@ class KVPool:
         memoryviews of ``length`` bytes in all) that value ``i`` is read
         into, straight from the socket: it then comes back as an
         ``InPlace``; otherwise (or when ``into`` answers None) as bytes.
-        ``prepare`` (values -> anything) runs on the load thread;
+        ``landed(i, value)`` runs on the load thread as soon as value ``i``
+        is read, before the next one is parsed (checking it there overlaps
+        the check with the server sending the next values).  ``prepare``
+        (values -> anything) runs on the load thread once all are read;
         ``poll_loads`` then returns its result instead of the values.
         Returns the number of keys fetched."""
         self._need_io_threads()
@@ -805,7 +813,7 @@ class KVPool:
             self._pending_loads += 1
         if n < len(keys):
             self._warn_dropped("load", n, len(keys) - n, limit)
-        self._load_q.put((job_id, keys, n, size, prepare, into))
+        self._load_q.put((job_id, keys, n, size, prepare, into, landed))
         return n
 
     def poll_loads(self) -> list[tuple[object, object]]:
@@ -824,7 +832,7 @@ class KVPool:
         return False
 
     def _load(self, client, job) -> None:
-        job_id, keys, n, size, prepare, into = job
+        job_id, keys, n, size, prepare, into, landed = job
         values: list = [None] * len(keys)
         try:
             if n and not self.reads_open():
@@ -839,6 +847,7 @@ class KVPool:
                             [_command(b"GET", key)],
                             None if into is None else functools.partial(into, i),
                         )
+                        + (() if landed is None else (functools.partial(landed, i),))
                         for i, key in enumerate(keys[:n])
                     ],
                 )
