@@ -6,12 +6,20 @@ the network.
   thread answers it (pipelined EXISTS; tickets queued meanwhile share one
   round trip).  The caller polls ``ticket.done`` and gives up after
   ``lookup_wait_s`` (``abandon``), which marks the pool slow.
-* ``submit_store(items, encode)``: queue ``(key, payload)`` pairs; the store
-  thread encodes each payload (header, CRC, MAC) and writes it (EXISTS,
-  then SET NX).  Admitted in prefix order up to ``max_inflight_bytes``.
-* ``submit_load(job, keys, value_bytes, prepare)`` / ``poll_loads()``: the
-  load thread fetches the values (pipelined GET) and runs ``prepare`` on
-  them there (checks, copies), so the caller only consumes the result.
+* ``submit_store(items, encode, on_done)``: queue ``(key, payload)`` pairs;
+  the store thread encodes each payload (header, CRC, MAC) and writes it
+  (EXISTS, then SET NX, the header and the payload sent as two buffers:
+  never joined).  Admitted in prefix order up to ``max_inflight_bytes``.
+* ``submit_load(job, keys, value_bytes, prepare, into, landed)`` /
+  ``poll_loads()``: the load thread sends the GETs (one pipeline per
+  server) and reads each value straight into the buffers ``into`` gives
+  (``RespReader``: ``recv_into`` the caller's memory), calls ``landed`` on
+  each value as it lands (checks) and ``prepare`` on them all, so the
+  caller only consumes the result.  ``wait_for_loads`` lets an idle engine
+  sleep until a load is done.
+* The raw pipelines use redis-py's own connections (its connect, AUTH,
+  TLS, health checks and cluster slot map); lookups and deletes use
+  redis-py's pipeline.
 * Health (``errors.py`` lists the kinds): reads and writes each have a gate.
   Unreachable or slow closes both; only the health thread reopens them,
   after a back-off, when a PING answers (in time) - no request is ever used
