@@ -1021,6 +1021,10 @@ class RespReader:
     ``buffer_bytes`` per reply).  The socket's own timeout bounds each
     read."""
 
+    # Measured (bench_pool, 256 KiB values): 1 KiB reads put the pool at
+    # 0.94x the raw reader, 4 KiB at 0.83x, 64 KiB at 0.73x.
+    fill_bytes = 1024
+
     def __init__(self, sock, buffer_bytes: int = 64 << 10) -> None:
         self.sock = sock
         self._buf = bytearray(buffer_bytes)
@@ -1058,7 +1062,11 @@ class RespReader:
                 self._view = memoryview(self._buf)
             self._buf[: len(kept)] = kept
             self._start, self._end = 0, len(kept)
-        self._end += self._recv(self._view[self._end :], len(self._buf) - self._end)
+        # A short read: a reply line and the first bytes after it, so little
+        # of a value passes through this buffer (the rest goes straight to
+        # the caller's memory).
+        room = min(len(self._buf) - self._end, self.fill_bytes)
+        self._end += self._recv(self._view[self._end :], room)
 
     def line(self) -> bytes:
         while True:
