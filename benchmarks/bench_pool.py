@@ -1,30 +1,58 @@
-"""Shared KV pool: throughput against redis-benchmark, and decode step time
-with and without concurrent swap-out, measured side by side in one run.
+"""Shared KV pool: how fast the pool reads (and writes) block values,
+against references on the same server, measured side by side.
 
-Starts its own redis-server on a free loopback port.
+Starts its own redis-server on a free loopback port and fills it once with
+``count`` values per size (header + payload, as the worker writes them)
+under the keys ``key:000000000000`` ...  Every reader then reads exactly
+those keys, in batches of ``batch`` keys (one pipelined round per batch, as
+one request's blocks), over one connection (the pool's load thread has
+one):
 
-1. Pool throughput: KVPool writes then reads N block values (header +
-   payload) through its background threads; redis-benchmark (SET/GET, same
-   value size, pipelined) on the same server gives the reference.
-2. Decode step time: real vLLM (tiny model, CPU) generates with the
-   SharedKVPoolConnector, alone and while a background KVPool keeps
-   writing 2 MiB values to the same server (swap-out pressure); the ratio
-   shows what the I/O threads cost the engine loop.
+* ``redis-benchmark GET``: ``redis-benchmark -c 1 -P <batch> -r <count>
+  GET key:__rand_int__`` (C client; random keys, all of which exist);
+* ``raw recv_into``: plain Python - one socket, the pipelined GETs, then
+  ``recv_into`` a preallocated buffer of exactly the replies' size (no
+  parsing; the most a Python reader can do);
+* ``redis-py``: redis-py's pipeline (hiredis), values as bytes (what the
+  pool used before it read into staging memory);
+* ``pool -> staging``: ``KVPool.submit_load`` with ``into``: the load
+  thread parses each reply and reads the header and the payload straight
+  into preallocated rows (the worker's load ring);
+* ``pool -> staging + check``: the same, and each value checked in place on
+  the load thread as soon as it landed (header fields, CRC-32), as the
+  worker's loads are.
 
-    python benchmarks/bench_pool.py            # full
-    python benchmarks/bench_pool.py --quick    # CI-sized
+Rounds are interleaved (the readers' order rotates every round); the table
+gives the median and [min, max] of each column over the rounds, and ratios
+per round (paired), their median [min, max].  The write table does the
+same for writes: ``redis-benchmark SET -c 1 -P <batch>`` against
+``KVPool.submit_store`` (EXISTS, then SET NX with header and payload sent
+as separate buffers; the header's CRC computed on the store thread).
+
+There is no decode-under-swap-out row any more: an engine writes KV at the
+rate it computes it (~1 MB/s for the tiny model on this CPU), and what its
+stores cost the engine loop is measured by ``bench_pool_liveness.py``
+("pool ok": a healthy pool storing every block, against no pool).
+
+    python benchmarks/bench_pool.py                 # 256 KiB, 2 MiB, 8 MiB
+    python benchmarks/bench_pool.py --quick         # CI-sized
+    python benchmarks/bench_pool.py --repeats 5 --total-mib 256
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import re
+import socket
+import statistics
 import subprocess
 import sys
-import threading
 import time
+
+import numpy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
@@ -35,181 +63,316 @@ from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
 from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
 
 NS = b"bench-namespace!"
+LAYOUT = codec.layout_tag("bench")
 
 
-def pool_throughput(
-    url: str, size: int, count: int, tag: str = "run"
-) -> tuple[float, float]:
-    pool = KVPool(PoolConfig(url=url, max_inflight_bytes=1 << 40, timeout_s=30.0))
+def keys_for(count: int) -> list[bytes]:
+    return [b"key:%012d" % i for i in range(count)]
+
+
+def fill(url: str, size: int, count: int) -> None:
+    """``count`` values of ``size`` payload bytes (+ header) under
+    ``keys_for(count)``."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.flushall()
     payload = os.urandom(size)
-    keys = [b"bench:%s:%d:%d" % (tag.encode(), size, i) for i in range(count)]
-    values = [codec.encode(NS, k, payload) for k in keys]
-    batch = 16
-    start = time.perf_counter()
-    for i in range(0, count, batch):
-        pool.submit_store(list(zip(keys[i : i + batch], values[i : i + batch])))
-    pool.drain(timeout_s=600)
-    out_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for i in range(0, count, batch):
-        pool.submit_load(i, keys[i : i + batch])
-    pool.drain(timeout_s=600)
-    in_s = time.perf_counter() - start
-    loaded = sum(1 for _, vals in pool.poll_loads() for v in vals if v)
-    assert loaded == count, (loaded, count)
-    pool.close()
-    nbytes = size * count
-    return nbytes / out_s / 1e9, nbytes / in_s / 1e9
+    pipe = client.pipeline(transaction=False)
+    for i, key in enumerate(keys_for(count)):
+        pipe.set(key, codec.encode(NS, key, payload, LAYOUT))
+        if i % 16 == 15:
+            pipe.execute()
+    pipe.execute()
+    client.close()
 
 
-def redis_benchmark(port: int, size: int, count: int) -> tuple[float, float]:
+def _gets(keys: list[bytes]) -> bytes:
+    return b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
+
+
+def read_raw(port: int, keys: list[bytes], value_bytes: int, batch: int) -> float:
+    """Seconds to read every value with plain ``recv_into`` (no parsing)."""
+    reply = len(b"$%d\r\n" % value_bytes) + value_bytes + 2
+    buf = bytearray(batch * reply)
+    view = memoryview(buf)
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(30.0)  # as the pool's sockets (timeout_s)
+    start = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        chunk = keys[i : i + batch]
+        sock.sendall(_gets(chunk))
+        want, got = len(chunk) * reply, 0
+        while got < want:
+            n = sock.recv_into(view[got:want], want - got)
+            if not n:
+                raise EOFError("server closed the connection")
+            got += n
+    elapsed = time.perf_counter() - start
+    assert view[0:1] == b"$" and view[want - 2 : want] == b"\r\n"
+    sock.close()
+    return elapsed
+
+
+def read_redis_py(url: str, keys: list[bytes], value_bytes: int, batch: int) -> float:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=30.0)
+    client.ping()
+    start = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        pipe = client.pipeline(transaction=False)
+        for key in keys[i : i + batch]:
+            pipe.get(key)
+        values = pipe.execute()
+        assert all(len(v) == value_bytes for v in values)
+    elapsed = time.perf_counter() - start
+    client.close()
+    return elapsed
+
+
+class PoolReader:
+    """A KVPool and staging rows (header and payload per value) reused for
+    every round, as the worker's load ring."""
+
+    def __init__(self, url: str, size: int, batch: int) -> None:
+        self.pool = KVPool(
+            PoolConfig(url=url, timeout_s=30.0, max_inflight_bytes=1 << 40)
+        )
+        self.size = size
+        self.heads = numpy.zeros((batch, codec.HEADER_BYTES), dtype=numpy.uint8)
+        self.rows = numpy.ones((batch, size), dtype=numpy.uint8)  # touched
+        self.read(keys_for(1), check=False)  # the load thread is connected
+
+    def _into(self, i: int, length: int):
+        if length != codec.HEADER_BYTES + self.size:
+            return None
+        return [self.heads[i].data, self.rows[i].data]
+
+    def _check(self, keys: list[bytes], i: int, value) -> None:
+        """As the worker: each value checked in place as soon as it landed."""
+        assert value is not None and not isinstance(value, bytes), keys[i]
+        codec.check(NS, keys[i], self.heads[i], self.rows[i], self.size, LAYOUT)
+
+    def read(self, keys: list[bytes], check: bool) -> float:
+        """Seconds to read ``keys``: one load job per batch of the rows'
+        length (the next batch is submitted when one is done, as the
+        staging rows are reused)."""
+        batch = len(self.rows)
+        value_bytes = codec.HEADER_BYTES + self.size
+        start = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            chunk = keys[i : i + batch]
+            self.pool.submit_load(
+                i,
+                chunk,
+                value_bytes,
+                into=self._into,
+                landed=functools.partial(self._check, chunk) if check else None,
+            )
+            while not (done := self.pool.poll_loads()):
+                self.pool.wait_for_loads(0.01)
+            ((_, result),) = done
+            assert all(v is not None and len(v) == value_bytes for v in result)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def redis_benchmark(port: int, command: list[str], n: int, batch: int, extra=()):
     out = subprocess.run(
         [
             "redis-benchmark",
             "-p",
             str(port),
-            "-t",
-            "set,get",
-            "-d",
-            str(size),
-            "-n",
-            str(count),
-            "-P",
-            "16",
             "-c",
-            "2",
-            "-r",
-            str(count),
+            "1",
+            "-P",
+            str(batch),
+            "-n",
+            str(n),
             "-q",
+            *extra,
+            *command,
         ],
         capture_output=True,
         text=True,
         timeout=600,
     ).stdout
-    rps = {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"(SET|GET): ([\d.]+) requests per second", out)
-    }
-    return rps["SET"] * size / 1e9, rps["GET"] * size / 1e9
+    match = re.search(r"([\d.]+) requests per second", out)
+    if match is None:
+        raise RuntimeError(f"redis-benchmark printed no rate:\n{out}")
+    return float(match.group(1))
 
 
-def decode_step_times(url: str, tokens: int) -> dict[str, float]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+def write_pool(url: str, size: int, count: int, batch: int) -> float:
+    """Seconds for KVPool to store ``count`` values (EXISTS, SET NX, the
+    header encoded on the store thread, header and payload separate)."""
+    import redis
 
-    from vllm_overlay.demo import cpu_defaults, tiny_model_path
+    redis.Redis.from_url(url).flushall()
+    pool = KVPool(PoolConfig(url=url, timeout_s=30.0, max_inflight_bytes=1 << 40))
+    try:
+        pool.count_hits([b"warm-up"])
+        rows = numpy.frombuffer(os.urandom(size * batch), dtype=numpy.uint8)
+        rows = rows.reshape(batch, size)
+        keys = [b"w:%012d" % i for i in range(count)]
 
-    cpu_defaults()
-    llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=1024,
-        num_gpu_blocks_override=32,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="SharedKVPoolConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"url": url, "namespace": "bench"},
-        ),
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    prompts = [f"decode benchmark prompt {i}" for i in range(4)]
+        def encode(key, payload):
+            return codec.encode_header(NS, key, payload, LAYOUT), payload
 
-    def per_token() -> float:
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return (time.perf_counter() - start) / tokens
+        for i in range(0, count, batch):
+            chunk = keys[i : i + batch]
+            pool.submit_store(
+                [(k, rows[j].data) for j, k in enumerate(chunk)], encode=encode
+            )
+        assert pool.drain(timeout_s=600)
+        elapsed = time.perf_counter() - start
+        assert pool.cumulative()["stored_blocks"] == count
+        return elapsed
+    finally:
+        pool.close()
 
-    per_token()  # warm-up
-    results = {"alone": min(per_token() for _ in range(3))}
-    stop = threading.Event()
-    pressure = KVPool(PoolConfig(url=url, max_inflight_bytes=64 << 20))
-    value = os.urandom(2 << 20)
-    written = [0]
 
-    def swap_out() -> None:
-        i = 0
-        while not stop.is_set():
-            key = b"pressure:%d" % (i % 64)
-            if pressure.submit_store([(key, codec.encode(NS, key, value))]):
-                written[0] += len(value)
-            else:
-                time.sleep(0.001)
-            i += 1
-            if i % 64 == 0:
-                pressure.drain()
-                # delete so the next round writes again (SET NX skips)
-                import redis
+def summary(values: list[float], fmt: str = "{:.2f}") -> str:
+    return (
+        fmt.format(statistics.median(values))
+        + " ["
+        + fmt.format(min(values))
+        + ", "
+        + fmt.format(max(values))
+        + "]"
+    )
 
-                redis.Redis.from_url(url).flushdb()
 
-    thread = threading.Thread(target=swap_out, daemon=True)
-    thread.start()
-    start = time.perf_counter()
-    results["with swap-out"] = min(per_token() for _ in range(3))
-    elapsed = time.perf_counter() - start
-    stop.set()
-    thread.join()
-    pressure.close()
-    results["swap-out MB/s"] = written[0] / elapsed / 1e6
-    return results
+READERS = [
+    "redis-benchmark GET",
+    "raw recv_into",
+    "redis-py",
+    "pool -> staging",
+    "pool -> staging + check",
+]
+
+
+def read_table(server, sizes, total_mib: int, count_arg, batch: int, repeats: int):
+    print(
+        f"\n# Reads: one redis-server on loopback, one connection per reader, "
+        f"{batch} keys per pipelined batch, every key read exists; "
+        f"{repeats} interleaved rounds (GB/s of values read: median [min, max])"
+    )
+    print(
+        "| value (payload + 72 B header) | values read | "
+        + " | ".join(f"{r} GB/s" for r in READERS)
+        + " | pool -> staging / raw recv_into | pool -> staging + check / raw "
+        "recv_into | pool -> staging / redis-benchmark GET | pool -> staging / "
+        "redis-py |"
+    )
+    print("|---" * (len(READERS) + 6) + "|")
+    for size in sizes:
+        value_bytes = codec.HEADER_BYTES + size
+        count = count_arg or max(batch, (total_mib << 20) // value_bytes)
+        fill(server.url, size, count)
+        keys = keys_for(count)
+        reader = PoolReader(server.url, size, batch)
+        rates: dict[str, list[float]] = {r: [] for r in READERS}
+        try:
+            for rep in range(repeats):
+                order = READERS[rep % len(READERS) :] + READERS[: rep % len(READERS)]
+                for name in order:
+                    if name == "redis-benchmark GET":
+                        rps = redis_benchmark(
+                            server.port,
+                            ["GET", "key:__rand_int__"],
+                            count,
+                            batch,
+                            ("-r", str(count)),
+                        )
+                        rates[name].append(rps * value_bytes / 1e9)
+                        continue
+                    if name == "raw recv_into":
+                        secs = read_raw(server.port, keys, value_bytes, batch)
+                    elif name == "redis-py":
+                        secs = read_redis_py(server.url, keys, value_bytes, batch)
+                    else:
+                        secs = reader.read(keys, check=name.endswith("check"))
+                    rates[name].append(count * value_bytes / secs / 1e9)
+        finally:
+            reader.close()
+
+        def ratio(a: str, b: str, rates=rates) -> str:
+            return summary([x / y for x, y in zip(rates[a], rates[b])]) + "x"
+
+        print(
+            f"| {size >> 10} KiB | {count} | "
+            + " | ".join(summary(rates[r]) for r in READERS)
+            + f" | {ratio('pool -> staging', 'raw recv_into')}"
+            f" | {ratio('pool -> staging + check', 'raw recv_into')}"
+            f" | {ratio('pool -> staging', 'redis-benchmark GET')}"
+            f" | {ratio('pool -> staging', 'redis-py')} |",
+            flush=True,
+        )
+
+
+def write_table(server, sizes, total_mib: int, count_arg, batch: int, repeats: int):
+    print(
+        f"\n# Writes: {batch} values per pipelined batch, one connection, "
+        f"{repeats} interleaved rounds (GB/s of values written: median [min, max])"
+    )
+    print(
+        "| value | values written | redis-benchmark SET GB/s | pool store "
+        "(EXISTS + SET NX, header + payload buffers) GB/s | pool / "
+        "redis-benchmark SET |"
+    )
+    print("|---|---|---|---|---|")
+    for size in sizes:
+        value_bytes = codec.HEADER_BYTES + size
+        count = count_arg or max(batch, (total_mib << 20) // value_bytes)
+        bench, pool = [], []
+        for rep in range(repeats):
+            for name in ("bench", "pool") if rep % 2 == 0 else ("pool", "bench"):
+                if name == "bench":
+                    server.cli("flushall")
+                    rps = redis_benchmark(
+                        server.port,
+                        ["-t", "set", "-d", str(value_bytes), "-r", str(count)],
+                        count,
+                        batch,
+                    )
+                    bench.append(rps * value_bytes / 1e9)
+                else:
+                    secs = write_pool(server.url, size, count, batch)
+                    pool.append(count * value_bytes / secs / 1e9)
+        server.cli("flushall")
+        print(
+            f"| {size >> 10} KiB | {count} | {summary(bench)} | {summary(pool)} | "
+            f"{summary([p / b for p, b in zip(pool, bench)])}x |",
+            flush=True,
+        )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--count", type=int, help="values per size")
-    parser.add_argument(
-        "--no-decode", action="store_true", help="skip the decode step-time part"
-    )
+    parser.add_argument("--quick", action="store_true", help="CI-sized")
+    parser.add_argument("--count", type=int, help="values per size (fixed)")
+    parser.add_argument("--total-mib", type=int, default=128, help="MiB per size")
+    parser.add_argument("--batch", type=int, default=16, help="keys per batch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-writes", action="store_true")
     args = parser.parse_args(argv)
-    sizes = [256 << 10] if args.quick else [256 << 10, 2 << 20]
-    count = args.count or (64 if args.quick else 512)
+    if args.quick:
+        sizes, total, repeats = [256 << 10], 16, max(1, min(args.repeats, 2))
+    else:
+        sizes, total, repeats = (
+            [256 << 10, 2 << 20, 8 << 20],
+            args.total_mib,
+            (args.repeats),
+        )
     with redis_server() as server:
-        print(
-            f"# KV pool vs redis-benchmark on one local redis-server "
-            f"(loopback), {count} values per size, measured in one run"
-        )
-        print(
-            "| value | pool out | pool in | redis-benchmark SET | "
-            "redis-benchmark GET | pool/bench out | pool/bench in |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        for size in sizes:
-            # Warm the server's memory first (first-touch page faults would
-            # otherwise be charged to whichever client writes first).
-            pool_throughput(server.url, size, count, tag="warm-up")
-            server.cli("flushall")
-            out_gbs, in_gbs = pool_throughput(server.url, size, count)
-            server.cli("flushall")
-            set_gbs, get_gbs = redis_benchmark(server.port, size, count)
-            server.cli("flushall")
-            print(
-                f"| {size >> 10} KiB | {out_gbs:.2f} GB/s | {in_gbs:.2f} "
-                f"GB/s | {set_gbs:.2f} GB/s | {get_gbs:.2f} GB/s | "
-                f"{out_gbs / set_gbs:.2f}x | {in_gbs / get_gbs:.2f}x |",
-                flush=True,
-            )
-        if args.no_decode:
-            return
-        times = decode_step_times(server.url, 16 if args.quick else 64)
-    print(
-        "\n# Decode step time, tiny model on CPU (4 requests), with the pool connector"
-    )
-    print("| condition | time per decode step | ratio |")
-    print("|---|---|---|")
-    for name in ("alone", "with swap-out"):
-        print(
-            f"| {name} | {times[name] * 1e3:.2f} ms | "
-            f"{times[name] / times['alone']:.2f}x |"
-        )
-    print(
-        f"\nbackground swap-out during the second row: "
-        f"{times['swap-out MB/s']:.0f} MB/s of 2 MiB values"
-    )
+        read_table(server, sizes, total, args.count, args.batch, repeats)
+        if not args.no_writes:
+            write_table(server, sizes, total, args.count, args.batch, repeats)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The pool benchmark runs against a real redis-server and redis-benchmark."""
+"""The pool benchmark runs against a real redis-server and redis-benchmark
+and prints its read and write tables."""
 
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ def test_pool_benchmark_prints_its_table():
             str(ROOT / "benchmarks" / "bench_pool.py"),
             "--quick",
             "--count",
-            "8",
-            "--no-decode",
+            "16",
+            "--repeats",
+            "1",
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 256"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert all(c.endswith("GB/s") for c in cells[1:5])
-    assert all(c.endswith("x") for c in cells[5:7])
+    read, write = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 256")]
+    cells = [c.strip() for c in read.strip("|").split("|")]
+    assert len(cells) == 11 and cells[1] == "16"
+    assert all(float(c.split()[0]) > 0 for c in cells[2:7])  # GB/s columns
+    assert all(c.endswith("]x") for c in cells[7:11])  # ratios
+    cells = [c.strip() for c in write.strip("|").split("|")]
+    assert float(cells[3].split()[0]) > 0 and cells[4].endswith("]x")

@@ -19,6 +19,7 @@ from support.redis_server import redis_server  # noqa: E402
 # Imported first: importing vLLM configures its loggers, and a handler a
 # test adds to the overlay's logger must come after that.
 import vllm_overlay.connectors.shared_pool.worker as worker_module  # noqa: E402
+from vllm_overlay.core.ops.block_copy import BlockTable  # noqa: E402
 from vllm_overlay.core.pool import codec  # noqa: E402
 from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
 from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
@@ -132,10 +133,8 @@ def test_another_layout_is_refused_and_left_in_the_pool():
 def _worker(pool: KVPool, block_bytes: int):
     config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=1))
     worker = worker_module.SharedPoolWorker(config, NS, pool)
-    worker._table = types.SimpleNamespace(
-        block_bytes=block_bytes, device=torch.device("cpu"), runs_per_block=1
-    )
-    worker._layout = LAYOUT
+    cache = torch.zeros(16, block_bytes, dtype=torch.uint8)
+    worker._set_table(BlockTable.from_tensors([cache], 0), "test", LAYOUT)
     return worker
 
 
@@ -243,17 +242,16 @@ def test_loads_are_bounded_and_the_rest_is_reported_for_recompute():
             assert pool.cumulative()["limited_loads"] == 2
             # Through the worker: blocks beyond the limit are load errors,
             # so vLLM recomputes them; the first three are scattered.
-            scattered = []
-            original = worker_module.scatter
-            worker_module.scatter = lambda table, ids, rows, method: scattered.append(
-                ids.tolist()
-            )
-            try:
-                errors = _load_with_worker(worker, pool, chain, [10, 11, 12, 13, 14])
-            finally:
-                worker_module.scatter = original
+            errors = _load_with_worker(worker, pool, chain, [10, 11, 12, 13, 14])
             assert errors == {13, 14}
-            assert scattered == [[10, 11, 12]]
+            cache = worker._cache_words.view(torch.uint8)
+            assert [bytes(cache[b].numpy()) == payload for b in range(10, 15)] == [
+                True,
+                True,
+                True,
+                False,
+                False,
+            ]
             assert server.cli("exists", keys[4].decode()) == "1"  # not deleted
         finally:
             pool.close()

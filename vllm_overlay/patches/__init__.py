@@ -14,6 +14,7 @@ from vllm_overlay.patches import (
     patch_arg_utils,
     patch_cpu_attn,
     patch_cpu_worker,
+    patch_engine_core,
     patch_flash_attn,
     patch_flashinfer,
     patch_gpu_model_runner,
@@ -42,6 +43,8 @@ MODULES = (
     # Async KV loads under KV pressure (offloading, shared pool)
     patch_kv_cache_manager,
     patch_scheduler,
+    # No busy loop while requests only wait for async KV loads
+    patch_engine_core,
 )
 
 

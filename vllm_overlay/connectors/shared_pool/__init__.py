@@ -128,6 +128,13 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def wait_for_remote_kv(self, timeout_s: float) -> bool:
+        """Called by the engine (instead of stepping) while every request
+        waits for its load: returns as soon as a load of this process's
+        pool is done, after ``timeout_s`` at most (workers in other
+        processes: the full timeout).  Never waits on the network."""
+        return self.pool.wait_for_loads(timeout_s)
+
     # ==============================
     # Worker-side methods
     # ==============================

@@ -1,12 +1,23 @@
 """Worker side of the shared pool connector: copies blocks between the KV
 cache and host memory and hands the network I/O to the pool's background
-threads (store and load)."""
+threads (store and load).
+
+Host memory is two staging rings allocated once (pinned with CUDA): a
+store copies its blocks into one ring and the store thread sends them from
+there (header and payload as separate buffers, encoded and checksummed on
+that thread); a load's values are read by the load thread straight into
+the other ring (header checked in place, payload never copied in Python)
+and moved to the KV cache with one call per batch.  On the engine thread:
+no staging allocation, no encoding, no checksum, no stream synchronize (a
+CUDA event says when a ring span may be reused)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
+import threading
 import time
 
 import numpy
@@ -23,13 +34,84 @@ from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_tabl
 
 logger = logging.getLogger("vllm.overlay")
 
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+class StagingRing:
+    """Host rows ``[slots, block_bytes]`` (pinned with CUDA) allocated once
+    and reused: contiguous spans handed out first in, first out (a span
+    released early keeps its rows until the spans before it are released).
+    With ``header_bytes``, a header row per slot as well (plain memory).
+    Thread-safe; ``allocations`` counts staging buffers ever allocated."""
+
+    def __init__(
+        self, slots: int, block_bytes: int, pin: bool = False, header_bytes: int = 0
+    ) -> None:
+        self.slots = slots
+        self.rows = torch.empty(slots, block_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.rows_np = self.rows.numpy()
+        self.heads = (
+            numpy.zeros((slots, header_bytes), dtype=numpy.uint8)
+            if header_bytes
+            else None
+        )
+        self.allocations = 1
+        self._lock = threading.Lock()
+        self._spans: collections.deque = collections.deque()  # [start, n, freed]
+        self._head = 0  # one past the last row handed out
+
+    def words(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.rows.view(dtype)
+
+    def alloc(self, n: int) -> tuple[int, int]:
+        """(first row, rows) of the longest free contiguous span of at most
+        ``n`` rows; rows is 0 when none is free."""
+        if n <= 0:
+            return 0, 0
+        with self._lock:
+            while self._spans and self._spans[0][2]:
+                self._spans.popleft()
+            if not self._spans:
+                start, k = 0, min(n, self.slots)
+            else:
+                tail, head = self._spans[0][0], self._head
+                if head > tail:  # free: [head, slots) and [0, tail)
+                    end_free = self.slots - head
+                    if end_free >= n or end_free >= tail:
+                        start, k = head, min(n, end_free)
+                    else:  # wrap: the end stays unused until it frees up
+                        start, k = 0, min(n, tail)
+                else:  # wrapped (or full): free [head, tail)
+                    start, k = head, min(n, tail - head)
+            if k <= 0:
+                return 0, 0
+            self._spans.append([start, k, False])
+            self._head = start + k
+            return start, k
+
+    def release(self, start: int) -> None:
+        with self._lock:
+            for span in self._spans:
+                if span[0] == start and not span[2]:
+                    span[2] = True
+                    break
+            while self._spans and self._spans[0][2]:
+                self._spans.popleft()
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return sum(n for _, n, freed in self._spans if not freed)
+
 
 @dataclasses.dataclass
 class _ReadyLoad:
-    """A load, checked and packed on the pool's load thread."""
+    """A load, checked on the pool's load thread; its good blocks are in
+    the load ring's rows ``good_rows``."""
 
+    start: int = 0  # the ring span
     good_ids: list[int] = dataclasses.field(default_factory=list)
-    packed: torch.Tensor | None = None  # one row per good block
+    good_rows: list[int] = dataclasses.field(default_factory=list)
     failed_ids: list[int] = dataclasses.field(default_factory=list)
     delete_keys: list[bytes] = dataclasses.field(default_factory=list)
     refusals: list = dataclasses.field(default_factory=list)  # (key, BadValue)
@@ -44,7 +126,7 @@ class SharedPoolWorker:
         self.pool = pool
         self._table = None
         self._rank = 0
-        self._jobs: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._jobs: dict[str, tuple] = {}  # req -> (block ids, chain, span)
         self._pending_copies: dict[str, list] = {}  # req -> staged stores
         self._stored_reqs: set[str] = set()
         self._waiting_finish: set[str] = set()
@@ -53,6 +135,11 @@ class SharedPoolWorker:
         self._mac_key = pool.config.mac_key
         self._last_refusal_log = 0.0
         self._refusals_unlogged = 0
+        self._store_ring: StagingRing | None = None
+        self._load_ring: StagingRing | None = None
+        self._cache_words: torch.Tensor | None = None  # [blocks, words], CPU
+        self._word = torch.uint8
+        self._unreleased: list = []  # (event, load span) still read on device
 
     def _key(self, chain_hash: bytes) -> bytes:
         return pool_key(self.ns, chain_hash, self._rank)
@@ -63,14 +150,54 @@ class SharedPoolWorker:
         self._table = table
         self._layout = layout_tag
         self._rank = get_world_group().rank if self.world_size > 1 else 0
+        self._make_staging(table)
         logger.info(
             "vllm-overlay KV pool: %s, one value of %d B per block "
-            "(%d run(s) gathered), rank %d",
+            "(%d run(s) gathered), rank %d; staging rings of %d (stores) and "
+            "%d (loads) blocks",
             what,
             table.block_bytes,
             table.runs_per_block,
             self._rank,
+            self._store_ring.slots,
+            self._load_ring.slots,
         )
+
+    def _make_staging(self, table) -> None:
+        """The staging rings (sized by the pool's in-flight limits, at most
+        the KV cache's blocks) and, on CPU with one run per block, a word
+        view of the cache for one-call gathers and scatters."""
+        config = self.pool.config
+        value_bytes = table.block_bytes + codec.HEADER_BYTES
+        pin = table.device.type == "cuda"
+        self._store_ring = StagingRing(
+            max(1, min(table.num_blocks, config.max_inflight_bytes // value_bytes)),
+            table.block_bytes,
+            pin,
+        )
+        self._load_ring = StagingRing(
+            max(1, min(table.num_blocks, config.load_limit_bytes // value_bytes)),
+            table.block_bytes,
+            pin,
+            header_bytes=codec.HEADER_BYTES,
+        )
+        self._cache_words = None
+        if table.device.type != "cpu" or len(table.segments) != 1:
+            return
+        seg = table.segments[0]
+        base_ptr = seg.storage.data_ptr()
+        for size, dtype in _WORDS:
+            if not (base_ptr | seg.offset | seg.stride | seg.length) % size:
+                break
+        words = torch.empty(0, dtype=dtype).set_(
+            seg.storage, 0, (seg.storage.nbytes() // size,), (1,)
+        )
+        self._cache_words = words.as_strided(
+            (table.num_blocks, seg.length // size),
+            (seg.stride // size, 1),
+            seg.offset // size,
+        )
+        self._word = dtype
 
     def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
         table = cross_layer_table(kv_cache, layout)
@@ -105,80 +232,89 @@ class SharedPoolWorker:
     def _method(self) -> str:
         return "triton" if self._table.device.type == "cuda" else "dma"
 
+    # -- copies (engine thread): one call per batch --------------------------
+    def _gather(self, block_ids: list[int], start: int):
+        """Blocks -> store ring rows ``start ..``; a CUDA event (or None:
+        done) says when the rows are written."""
+        ring, n = self._store_ring, len(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if self._cache_words is not None:
+            torch.index_select(
+                self._cache_words, 0, ids, out=ring.words(self._word)[start : start + n]
+            )
+            return None
+        gather(self._table, ids, ring.rows[start : start + n], self._method())
+        if self._table.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def _scatter(self, block_ids: list[int], rows: list[int]):
+        """Load ring rows -> blocks; a CUDA event (or None: done) says when
+        the rows have been read.  Queued on the current stream: the next
+        forward pass sees the blocks without a synchronize."""
+        ring = self._load_ring
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        first = rows[0]
+        contiguous = rows == list(range(first, first + len(rows)))
+        if self._cache_words is not None and contiguous:
+            self._cache_words.index_copy_(
+                0, ids, ring.words(self._word)[first : first + len(rows)]
+            )
+            return None
+        if contiguous:
+            scatter(
+                self._table, ids, ring.rows[first : first + len(rows)], self._method()
+            )
+        else:
+            packed_ids = torch.tensor(rows, dtype=torch.int64)
+            scatter(self._table, ids, ring.rows, self._method(), packed_ids)
+        if self._table.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    # -- loads ----------------------------------------------------------------
     def start_load_kv(self, meta: PoolMetadata) -> None:
+        value_bytes = self._table.block_bytes + codec.HEADER_BYTES
         for req_id, (block_ids, chain) in meta.loads.items():
-            self._jobs[req_id] = (block_ids, chain)
             keys = [self._key(h) for h in chain]
-            self.pool.submit_load(
+            start, n = self._load_ring.alloc(len(keys))
+            checked: list = [None] * len(keys)  # filled as values land
+            fetched = self.pool.submit_load(
                 req_id,
                 keys,
-                value_bytes=self._table.block_bytes + codec.HEADER_BYTES,
-                prepare=functools.partial(self._prepare_load, block_ids, keys),
+                value_bytes=value_bytes,
+                prepare=functools.partial(
+                    self._prepare_load, block_ids, keys, start, checked
+                ),
+                into=functools.partial(self._load_into, start),
+                max_keys=n,
+                landed=functools.partial(self._check_landed, keys, start, checked),
             )
+            if n and not fetched:
+                self._load_ring.release(start)
+            # The load ring's span (None: none) is released once its rows
+            # are in the KV cache.
+            self._jobs[req_id] = (block_ids, chain, start if fetched else None)
 
-    def wait_for_save(self, meta: PoolMetadata) -> None:
-        """Copy the blocks completed in this step to host memory (only as
-        many as the pool admits now: none while its writes are paused); the
-        store thread encodes and writes them."""
-        value_bytes = self._table.block_bytes + codec.HEADER_BYTES
-        for req_id, (block_ids, chain) in meta.stores.items():
-            # The scheduler holds the request's blocks until we report it
-            # finished sending: report it even when nothing is copied.
-            self._stored_reqs.add(req_id)
-            room = self.pool.store_room(value_bytes)
-            if room < len(block_ids):  # prefix order: keep the leading ones
-                self.pool.note_dropped(len(block_ids) - room)
-                block_ids, chain = block_ids[:room], chain[:room]
-            if not block_ids:
-                continue
-            ids = torch.tensor(block_ids, dtype=torch.int64)
-            staging = torch.empty(
-                len(block_ids),
-                self._table.block_bytes,
-                dtype=torch.uint8,
-                pin_memory=self._table.device.type == "cuda",
-            )
-            event = None
-            if self._table.device.type == "cuda":
-                stream = torch.cuda.current_stream()
-                gather(self._table, ids, staging, self._method())
-                event = torch.cuda.Event()
-                event.record(stream)
-            else:
-                gather(self._table, ids, staging, "dma")
-            self._pending_copies.setdefault(req_id, []).append((event, staging, chain))
+    def _load_into(self, start: int, i: int, length: int):
+        """Runs on the load thread: where value ``i`` goes (its header row
+        and its payload row), if it has the length of this node's values."""
+        if length != self._table.block_bytes + codec.HEADER_BYTES:
+            return None  # read as bytes, refused by its check
+        ring = self._load_ring
+        return [ring.heads[start + i].data, ring.rows_np[start + i].data]
 
-    def _encode(self, key: bytes, payload) -> bytes:
-        """Runs on the pool's store thread."""
-        return codec.encode(self.ns, key, payload, self._layout, self._mac_key)
-
-    def _flush_copies(self) -> None:
-        for req_id, copies in list(self._pending_copies.items()):
-            keep = []
-            for event, staging, chain in copies:
-                if event is not None and not event.query():
-                    keep.append((event, staging, chain))
-                    continue
-                rows = staging.numpy()
-                self.pool.submit_store(
-                    [(self._key(h), rows[i].data) for i, h in enumerate(chain)],
-                    encode=self._encode,
-                )
-            if keep:
-                self._pending_copies[req_id] = keep
-            else:
-                del self._pending_copies[req_id]
-
-    def _prepare_load(self, block_ids, keys, values) -> _ReadyLoad:
-        """Runs on the pool's load thread: check each value and pack the
-        good payloads into one host buffer, ready to scatter."""
-        ready = _ReadyLoad()
-        payloads = []
-        for block_id, key, value in zip(block_ids, keys, values):
-            try:
-                if value is None:
-                    raise codec.BadValue("missing")
-                payload = codec.decode(
+    def _check_value(self, key: bytes, row: int, value) -> codec.BadValue | None:
+        """Runs on the load thread: the refusal of one value (None: good)."""
+        try:
+            if value is None:
+                raise codec.BadValue("missing")
+            if isinstance(value, (bytes, bytearray)):  # not our length
+                codec.decode(
                     self.ns,
                     key,
                     value,
@@ -186,7 +322,36 @@ class SharedPoolWorker:
                     self._layout,
                     self._mac_key,
                 )
-            except codec.BadValue as exc:
+                raise codec.BadValue(f"value of {len(value)} B")  # (decode raised)
+            ring = self._load_ring
+            codec.check(
+                self.ns,
+                key,
+                ring.heads[row],
+                ring.rows_np[row],
+                self._table.block_bytes,
+                self._layout,
+                self._mac_key,
+            )
+        except codec.BadValue as exc:
+            return exc
+        return None
+
+    def _check_landed(self, keys, start, checked, i: int, value) -> None:
+        """Runs on the load thread as soon as value ``i`` is read: checked
+        in place while the server sends the next ones."""
+        checked[i] = (self._check_value(keys[i], start + i, value),)
+
+    def _prepare_load(self, block_ids, keys, start, checked, values) -> _ReadyLoad:
+        """Runs on the pool's load thread once every value is read: each
+        value's check (done as it landed, or now)."""
+        ready = _ReadyLoad(start=start)
+        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values)):
+            done = checked[i]
+            exc = done[0] if done is not None else None
+            if done is None or value is None:
+                exc = self._check_value(key, start + i, value)
+            if exc is not None:
                 ready.failed_ids.append(block_id)
                 if value is not None:
                     if exc.delete:
@@ -195,35 +360,24 @@ class SharedPoolWorker:
                     ready.refusals.append((key, exc))
                 continue
             ready.good_ids.append(block_id)
-            payloads.append(payload)
-        if payloads:
-            ready.packed = torch.empty(
-                len(payloads),
-                self._table.block_bytes,
-                dtype=torch.uint8,
-                pin_memory=self._table.device.type == "cuda",
-            )
-            rows = ready.packed.numpy()
-            for i, payload in enumerate(payloads):
-                rows[i] = numpy.frombuffer(payload, dtype=numpy.uint8)
+            ready.good_rows.append(start + i)
         return ready
 
     def _finish_loads(self) -> set[str]:
         done = set()
         for req_id, ready in self.pool.poll_loads():
-            block_ids, _ = self._jobs.pop(req_id)
+            block_ids, _, start = self._jobs.pop(req_id)
             if ready is None:  # preparing failed (logged): recompute all
                 ready = _ReadyLoad(failed_ids=list(block_ids))
             self._load_errors.update(ready.failed_ids)
+            event = None
             if ready.good_ids:
-                scatter(
-                    self._table,
-                    torch.tensor(ready.good_ids, dtype=torch.int64),
-                    ready.packed,
-                    self._method(),
-                )
-                if self._table.device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()
+                event = self._scatter(ready.good_ids, ready.good_rows)
+            if start is not None:
+                if event is None:
+                    self._load_ring.release(start)
+                else:
+                    self._unreleased.append((event, start))
             self.pool.record_load(
                 len(ready.good_ids), len(ready.failed_ids), ready.bad_signatures
             )
@@ -233,6 +387,61 @@ class SharedPoolWorker:
                 self.pool.submit_delete(ready.delete_keys)
             done.add(req_id)
         return done
+
+    def _release_read_spans(self) -> None:
+        if self._unreleased:
+            keep = []
+            for event, start in self._unreleased:
+                if event.query():
+                    self._load_ring.release(start)
+                else:
+                    keep.append((event, start))
+            self._unreleased = keep
+
+    # -- stores ---------------------------------------------------------------
+    def wait_for_save(self, meta: PoolMetadata) -> None:
+        """Copy the blocks completed in this step to the store ring (only as
+        many as the pool admits now: none while its writes are paused, and
+        as fit in the ring); the store thread encodes and writes them."""
+        value_bytes = self._table.block_bytes + codec.HEADER_BYTES
+        for req_id, (block_ids, chain) in meta.stores.items():
+            # The scheduler holds the request's blocks until we report it
+            # finished sending: report it even when nothing is copied.
+            self._stored_reqs.add(req_id)
+            room = min(len(block_ids), self.pool.store_room(value_bytes))
+            start, n = self._store_ring.alloc(room)
+            if n < len(block_ids):  # prefix order: keep the leading ones
+                self.pool.note_dropped(len(block_ids) - n)
+                block_ids, chain = block_ids[:n], chain[:n]
+            if not block_ids:
+                continue
+            event = self._gather(block_ids, start)
+            self._pending_copies.setdefault(req_id, []).append((event, start, chain))
+
+    def _encode(self, key: bytes, payload):
+        """Runs on the pool's store thread: the header (CRC, MAC) and the
+        payload, sent as two buffers."""
+        head = codec.encode_header(self.ns, key, payload, self._layout, self._mac_key)
+        return head, payload
+
+    def _flush_copies(self) -> None:
+        ring = self._store_ring
+        for req_id, copies in list(self._pending_copies.items()):
+            keep = []
+            for event, start, chain in copies:
+                if event is not None and not event.query():
+                    keep.append((event, start, chain))
+                    continue
+                rows = ring.rows_np
+                self.pool.submit_store(
+                    [(self._key(h), rows[start + i].data) for i, h in enumerate(chain)],
+                    encode=self._encode,
+                    on_done=functools.partial(ring.release, start),
+                )
+            if keep:
+                self._pending_copies[req_id] = keep
+            else:
+                del self._pending_copies[req_id]
 
     def _log_refusal(self, key: bytes, exc: codec.BadValue) -> None:
         """Rate-limited: at most one line every 10 s, with the count."""
@@ -252,6 +461,7 @@ class SharedPoolWorker:
 
     def get_finished(self, finished_req_ids: set[str]):
         self._flush_copies()
+        self._release_read_spans()
         finished_recving = self._finish_loads()
         finished_sending = set()
         for req_id in finished_req_ids:

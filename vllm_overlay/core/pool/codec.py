@@ -6,8 +6,10 @@ block's key, so a value copied under another key is refused), layout tag (8
 bytes: the writer's KV layout, as registered in its worker), payload length
 (u64), CRC-32 of the payload (u32), reserved (u32), MAC (16 bytes: keyed
 BLAKE2b over the rest of the header and the payload; zeros when unsigned).
-``decode`` checks every field; any mismatch raises ``BadValue`` and the
-block is treated as a miss.  Nothing is pickled.
+``check`` (header and payload where they were read, e.g. straight into a
+staging buffer) and ``decode`` (one buffer) check every field; any mismatch
+raises ``BadValue`` and the block is treated as a miss.  Writers send
+``encode_header`` and the payload as two buffers.  Nothing is pickled.
 
 A CRC detects corruption, not forgery: anyone who can write the pool can
 write a value with a valid CRC.  With a shared secret (``mac_key``) every
@@ -93,19 +95,20 @@ def encode(
     return encode_header(namespace_tag, key, payload, layout, mac_key) + bytes(payload)
 
 
-def decode(
+def _check_header(
     namespace_tag: bytes,
     key: bytes,
-    value: bytes,
+    head,
+    value_length: int,
     expected_length: int,
-    layout: bytes = _NO_LAYOUT,
-    mac_key: bytes | None = None,
-) -> memoryview:
-    """The payload of ``value``, checked; raises BadValue."""
-    if len(value) < HEADER_BYTES:
-        raise BadValue(f"value of {len(value)} B is shorter than the header")
+    layout: bytes,
+) -> tuple[int, int, bytes]:
+    """Check a value's header (its first ``HEADER_BYTES``, in place);
+    returns (flags, crc, mac)."""
+    if value_length < HEADER_BYTES or len(head) < HEADER_BYTES:
+        raise BadValue(f"value of {value_length} B is shorter than the header")
     magic, version, flags, ns, ktag, ltag, length, crc, _, mac = _HEADER.unpack_from(
-        value
+        head
     )
     if magic != MAGIC:
         raise BadValue("not a vllm-overlay KV value (bad magic)")
@@ -121,12 +124,49 @@ def decode(
             f"{ltag.hex()}, this node {layout.hex()})",
             delete=False,
         )
-    if length != expected_length or len(value) - HEADER_BYTES != length:
+    if length != expected_length or value_length - HEADER_BYTES != length:
         raise BadValue(
-            f"payload of {len(value) - HEADER_BYTES} B, header "
+            f"payload of {value_length - HEADER_BYTES} B, header "
             f"says {length} B, layout needs {expected_length} B"
         )
-    payload = memoryview(value)[HEADER_BYTES:]
+    return flags, crc, mac
+
+
+def check_header(
+    namespace_tag: bytes,
+    key: bytes,
+    head,
+    value_length: int,
+    expected_length: int,
+    layout: bytes = _NO_LAYOUT,
+) -> None:
+    """The header checks alone (no checksum): a value whose length is not
+    what this node reads in place is refused for the same reasons, in the
+    same order, as by ``check``."""
+    _check_header(namespace_tag, key, head, value_length, expected_length, layout)
+
+
+def check(
+    namespace_tag: bytes,
+    key: bytes,
+    head,
+    payload,
+    expected_length: int,
+    layout: bytes = _NO_LAYOUT,
+    mac_key: bytes | None = None,
+) -> None:
+    """Check a value read in place: its header ``head`` (``HEADER_BYTES``)
+    and its payload, wherever each lies; raises BadValue.  zlib's CRC and
+    BLAKE2b release the GIL on large buffers."""
+    payload = memoryview(payload).cast("B")
+    flags, crc, mac = _check_header(
+        namespace_tag,
+        key,
+        head,
+        HEADER_BYTES + payload.nbytes,
+        expected_length,
+        layout,
+    )
     if zlib.crc32(payload) != crc:  # corrupt (or forged carelessly): deleted
         raise BadValue("checksum mismatch")
     signed = bool(flags & SIGNED)
@@ -137,7 +177,7 @@ def decode(
                 delete=False,
                 signature=True,
             )
-        expected = _mac(mac_key, memoryview(value)[:_MAC_AT], payload)
+        expected = _mac(mac_key, memoryview(head)[:_MAC_AT], payload)
         if not hmac.compare_digest(mac, expected):
             raise BadValue(
                 "bad signature (another secret, or forged)",
@@ -150,4 +190,29 @@ def decode(
             delete=False,
             signature=True,
         )
+
+
+def decode(
+    namespace_tag: bytes,
+    key: bytes,
+    value: bytes,
+    expected_length: int,
+    layout: bytes = _NO_LAYOUT,
+    mac_key: bytes | None = None,
+) -> memoryview:
+    """The payload of ``value`` (header and payload in one buffer), checked;
+    raises BadValue."""
+    view = memoryview(value).cast("B")
+    if view.nbytes < HEADER_BYTES:
+        raise BadValue(f"value of {view.nbytes} B is shorter than the header")
+    payload = view[HEADER_BYTES:]
+    check(
+        namespace_tag,
+        key,
+        view[:HEADER_BYTES],
+        payload,
+        expected_length,
+        layout,
+        mac_key,
+    )
     return payload
