@@ -91,7 +91,19 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "async load only when the request's prompt fits next to the blocks\n"
             "promised to the other parked requests, and schedule a request\n"
             "whose load finished as resumed.",
-            ["0001", "0002", "0003"],
+            ["0001", "0002", "0004"],
+        ),
+        (
+            "[Core][KVConnector] Wait for async KV loads instead of spinning",
+            "While every unfinished request waits for its async KV load and\n"
+            "nothing else is pending, EngineCore.step (and the batch-queue step\n"
+            "with an empty queue) waits up to 2 ms on the connector's\n"
+            "wait_for_remote_kv(timeout_s) when it has one, else sleeps, instead\n"
+            "of running empty steps back to back. Those ran 10^4+ times during one\n"
+            "long load and held the GIL that the connector's transfer threads\n"
+            "need: a 128 MiB reload from a shared KV pool took 12.5 s, 0.64 s with\n"
+            "the wait. Never waits while any request can run.",
+            ["0003"],
         ),
     ],
     "offloading": [

@@ -82,11 +82,12 @@ def test_patched_vllm_offloads_under_pressure_like_the_overlay(patched_tree):
 
 def test_kv_pressure_scenarios_schedule_the_same_both_ways(patched_tree):
     """patches/kv-pressure is hand-written, the runtime patches KV-01..04
-    differ in form (wrappers around vLLM's methods): each scenario of
-    tests/support/sched_scenarios.py gives the same scheduler steps in the
-    overlay and on the patched tree with the overlay disabled (the lines
-    name the new and resumed requests, tokens, waiting queue, free blocks).
-    The series once resumed a request one step earlier than the runtime."""
+    and EC-01 differ in form (wrappers around vLLM's methods): each scenario
+    of tests/support/sched_scenarios.py gives the same scheduler steps in
+    the overlay and on the patched tree with the overlay disabled (the lines
+    name the new and resumed requests, tokens, waiting queue, free blocks;
+    the idle engine waits instead of spinning).  The series once resumed a
+    request one step earlier than the runtime."""
     from conftest import _memoized
 
     run = _memoized("run_sched_scenarios.py")
@@ -103,6 +104,7 @@ def test_kv_pressure_scenarios_schedule_the_same_both_ways(patched_tree):
     assert "resumed=A " in kv04[1] and "waiting=A:PREEMPTED" in kv04[0]
     kv03 = overlay.result["traces"]["kv03-head-does-not-fit"]
     assert kv03[0].startswith("new=A@32 ")  # A not stranded behind P
+    assert overlay.result["traces"]["ec01-idle-engine"] == ["waits"]  # EC-01
 
 
 def test_patched_vllm_shares_a_pool_like_the_overlay(patched_tree):

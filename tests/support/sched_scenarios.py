@@ -12,6 +12,9 @@ two traces must be equal line for line.
 
 from __future__ import annotations
 
+import collections
+import time
+
 BLOCK = 16
 
 
@@ -152,6 +155,51 @@ def head_that_does_not_fit(make):
     return sched, a, p
 
 
+class EmptyExecutor:
+    """Runs no model: one sampled token per scheduled request, nothing
+    while only a load is under way (as the worker's outputs then)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def execute_model(self, scheduler_output, non_block=False):
+        import concurrent.futures
+
+        import numpy
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self.steps += 1
+        ids = list(scheduler_output.num_scheduled_tokens)
+        future = concurrent.futures.Future()
+        future.set_result(
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[numpy.array([7]) for _ in ids],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
+            )
+        )
+        return future
+
+    def sample_tokens(self, grammar_output, non_block=False):
+        raise AssertionError("nothing was scheduled: nothing to sample")
+
+
+def engine_shell(sched, batch_queue: bool = False):
+    from vllm.v1.engine.core import EngineCore
+
+    engine = EngineCore.__new__(EngineCore)
+    engine.scheduler = sched
+    engine.model_executor = EmptyExecutor()
+    engine.batch_queue = collections.deque() if batch_queue else None
+    engine.batch_queue_size = 2
+    engine.ec_producer = False
+    engine.is_pooling_model = False
+    return engine
+
+
 def step_line(sched, out) -> str:
     """One scheduler step as a line: new requests (with computed tokens),
     resumed ones, tokens per request, the waiting queue (id:status) and the
@@ -202,4 +250,16 @@ def scenarios(make) -> dict[str, list[str]]:
     c = make[1]("C", 140, seed=4)  # 9 blocks: only fits with none promised
     sched.add_request(c)
     traces["kv02-abort"] = [step_line(sched, sched.schedule()) for _ in range(2)]
+
+    # EC-01: an engine whose only request waits for its load does not spin
+    # (stock: thousands of empty steps in the window; waiting: <= 150)
+    from vllm.v1.engine.core import EngineCore
+
+    sched, a, out = parked_load(make)
+    engine = engine_shell(sched)
+    steps, deadline = 0, time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        EngineCore.step(engine)
+        steps += 1
+    traces["ec01-idle-engine"] = ["waits" if steps < 600 else f"spins ({steps} steps)"]
     return traces

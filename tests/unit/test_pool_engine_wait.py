@@ -10,67 +10,23 @@ back for as long as the load takes."""
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import pathlib
 import sys
 import threading
 import time
 
-import numpy
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from support.redis_server import redis_server  # noqa: E402
 from support.sched_scenarios import (  # noqa: E402
     build,
+    engine_shell,
     parked_load,
     report_loaded,
 )
 
 WINDOW_S = 0.3
-
-
-class _Executor:
-    """Runs no model: one sampled token per scheduled request, nothing
-    while only a load is under way (as the worker's outputs then)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def execute_model(self, scheduler_output, non_block=False):
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        self.steps += 1
-        ids = list(scheduler_output.num_scheduled_tokens)
-        future = concurrent.futures.Future()
-        future.set_result(
-            ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[numpy.array([7]) for _ in ids],
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            )
-        )
-        return future
-
-    def sample_tokens(self, grammar_output, non_block=False):
-        raise AssertionError("nothing was scheduled: nothing to sample")
-
-
-def _engine(sched, batch_queue: bool = False):
-    from vllm.v1.engine.core import EngineCore
-
-    engine = EngineCore.__new__(EngineCore)
-    engine.scheduler = sched
-    engine.model_executor = _Executor()
-    engine.batch_queue = collections.deque() if batch_queue else None
-    engine.batch_queue_size = 2
-    engine.ec_producer = False
-    engine.is_pooling_model = False
-    return engine
 
 
 def _steps_in_window(engine, step) -> int:
@@ -94,7 +50,7 @@ def test_ec01_idle_engine_waits_instead_of_spinning(make):
     from vllm_overlay.patches.patch_engine_core import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
-    engine = _engine(sched)
+    engine = engine_shell(sched)
     steps = _steps_in_window(engine, EngineCore.step)
     # Each step waited (the offloading connector has no wait hook: a
     # sleep of IDLE_WAIT_S); stock runs thousands of empty steps here.
@@ -116,7 +72,7 @@ def test_ec02_idle_batch_queue_engine_waits_instead_of_spinning(make):
     from vllm_overlay.patches.patch_engine_core import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
-    engine = _engine(sched, batch_queue=True)
+    engine = engine_shell(sched, batch_queue=True)
     steps = _steps_in_window(engine, EngineCore.step_with_batch_queue)
     assert getattr(engine, "vllm_overlay_idle_waits", 0) == steps
     assert steps <= WINDOW_S / IDLE_WAIT_S + 5
@@ -134,7 +90,7 @@ def test_ec01_wakes_on_the_connector_hook(make):
     sched, a, out = parked_load(make)
     calls = []
     sched.connector.wait_for_remote_kv = lambda timeout_s: calls.append(timeout_s)
-    engine = _engine(sched)
+    engine = engine_shell(sched)
     for _ in range(5):
         EngineCore.step(engine)
     assert calls == [IDLE_WAIT_S] * 5
@@ -151,7 +107,7 @@ def test_never_waits_while_a_request_can_run(make):
     sched.add_request(request("B", 20, seed=9))
     calls = []
     sched.connector.wait_for_remote_kv = lambda timeout_s: calls.append(timeout_s)
-    engine = _engine(sched)
+    engine = engine_shell(sched)
     for _ in range(5):
         EngineCore.step(engine)
     assert calls == [] and getattr(engine, "vllm_overlay_idle_waits", 0) == 0

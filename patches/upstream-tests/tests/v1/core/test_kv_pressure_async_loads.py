@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Async KV loads under KV cache pressure (scheduler and KV cache manager).
+"""Async KV loads under KV cache pressure (scheduler and KV cache manager),
+and the engine step while only async KV loads remain.
 
 A scheduler-only connector offers every request an async load of all its
 full prompt blocks but the last; the test plays the worker: a load started
 in one step has landed by the next.  10 device blocks of 16 tokens (block 0
 is the null block: 9 usable).
 """
+
+import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -29,6 +33,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import KV_LOAD_IDLE_WAIT_S, EngineCore
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -277,3 +282,64 @@ def test_many_async_loads_into_a_small_cache_all_finish(scheduler):
     assert [len(r.output_token_ids) for r in requests] == [8] * 8
     assert scheduler.connector.num_loads >= 8
     assert scheduler.kv_cache_manager.parked_deficits == {}
+
+
+class EmptyExecutor:
+    """Runs no model: one sampled token per scheduled request."""
+
+    def execute_model(self, scheduler_output, non_block=False):
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        future: Future = Future()
+        future.set_result(
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[np.array([7]) for _ in req_ids],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
+            )
+        )
+        return future
+
+
+def engine_core(scheduler: Scheduler) -> EngineCore:
+    """An EngineCore around SCHEDULER whose executor runs no model."""
+    engine = EngineCore.__new__(EngineCore)
+    engine.scheduler = scheduler
+    engine.model_executor = EmptyExecutor()
+    engine.batch_queue = None
+    engine.ec_producer = False
+    engine.is_pooling_model = False
+    return engine
+
+
+def test_engine_waits_while_only_kv_loads_remain(scheduler, monkeypatch):
+    park(scheduler, make_request("A", 40, seed=1))
+    waits: list[float] = []
+    monkeypatch.setattr(
+        scheduler.connector, "wait_for_remote_kv", waits.append, raising=False
+    )
+    engine = engine_core(scheduler)
+    for _ in range(3):
+        engine.step()
+    assert waits == [KV_LOAD_IDLE_WAIT_S] * 3  # on the connector, bounded
+
+    # a connector without the hook: the step sleeps instead of spinning
+    monkeypatch.delattr(scheduler.connector, "wait_for_remote_kv")
+    start = time.monotonic()
+    for _ in range(5):
+        engine.step()
+    assert time.monotonic() - start >= 5 * KV_LOAD_IDLE_WAIT_S
+
+
+def test_engine_never_waits_while_a_request_can_run(scheduler, monkeypatch):
+    park(scheduler, make_request("A", 40, seed=1))
+    scheduler.add_request(make_request("B", 10, seed=3))  # no load: runs now
+    waits: list[float] = []
+    monkeypatch.setattr(
+        scheduler.connector, "wait_for_remote_kv", waits.append, raising=False
+    )
+    engine = engine_core(scheduler)
+    _, executed = engine.step()
+    assert executed and waits == []
