@@ -16,20 +16,19 @@ failure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from run_eval import ROOT, load_config  # noqa: E402
+
+from vllm_overlay.demo import redis_server  # noqa: E402
 
 DEFAULT_CONFIG = HERE / "configs" / "copy-llama.yaml"
 
@@ -124,47 +123,6 @@ def check(config: dict, result: dict, stock: dict | None) -> list[str]:
     return problems
 
 
-@contextlib.contextmanager
-def local_redis():
-    """A throwaway redis-server on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="eval-redis-")
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -187,7 +145,7 @@ def main() -> int:
                     (path, None, ["no --pool-url and no redis-server installed"])
                 )
                 continue
-            with local_redis() as url:
+            with redis_server() as url:
                 result = run_path(args.config, path, url)
         else:
             result = run_path(args.config, path, args.pool_url)

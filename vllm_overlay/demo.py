@@ -108,6 +108,23 @@ def _pong(port: int) -> bool:
         return False
 
 
+def redis_server_command(port: int, workdir: str) -> list[str]:
+    """redis-server on loopback PORT, no persistence (RDB nor AOF)."""
+    return [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+    ]
+
+
 @contextlib.contextmanager
 def redis_server():
     """A redis-server on a free loopback port, no persistence; yields its
@@ -115,19 +132,7 @@ def redis_server():
     port = _free_port()
     workdir = tempfile.mkdtemp(prefix="vllm-overlay-demo-redis-")
     proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
+        redis_server_command(port, workdir),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -24,7 +24,7 @@ import time
 
 from prompt_words import WORDS
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.demo import cpu_defaults, redis_server_command, tiny_model_path
 
 
 def prompts(kind: str) -> list[str]:
@@ -115,19 +115,7 @@ def main(config: dict) -> dict:
     if config.get("restart"):
         port, workdir = config["restart"]
         subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                workdir,
-            ],
+            redis_server_command(port, workdir),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
