@@ -77,32 +77,20 @@ def default_dir(shape: Shape = DEFAULT) -> pathlib.Path:
 
 
 def build(out_dir: pathlib.Path, shape: Shape = DEFAULT) -> pathlib.Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm_overlay.models.build_tiny_llama import write_random_llama
 
-    from vllm_overlay.models.build_tiny_llama import build_tokenizer
-
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
+    out_dir = write_random_llama(
+        out_dir,
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        layers=shape.layers,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,
-        max_position_embeddings=8192,
-        initializer_range=0.02,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        max_positions=8192,
+        init_range=0.02,
+        seed=SEED,
     )
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "build.json").write_text(
         json.dumps({"shape": dataclasses.asdict(shape), "seed": SEED}, indent=1)
     )

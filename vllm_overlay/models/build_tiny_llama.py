@@ -136,7 +136,21 @@ def build_tokenizer(out_dir: pathlib.Path):
     return fast
 
 
-def build(out_dir: pathlib.Path = DEFAULT_DIR) -> pathlib.Path:
+def write_random_llama(
+    out_dir: pathlib.Path,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    max_positions: int,
+    init_range: float,
+    seed: int,
+) -> pathlib.Path:
+    """A random-weight LlamaForCausalLM of this shape with this module's
+    tokenizer, saved (safetensors) to OUT_DIR."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -145,23 +159,38 @@ def build(out_dir: pathlib.Path = DEFAULT_DIR) -> pathlib.Path:
     tokenizer = build_tokenizer(out_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        initializer_range=0.08,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        initializer_range=init_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def build(out_dir: pathlib.Path = DEFAULT_DIR) -> pathlib.Path:
+    return write_random_llama(
+        out_dir,
+        hidden=128,
+        intermediate=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        max_positions=4096,
+        init_range=0.08,
+        seed=SEED,
+    )
 
 
 if __name__ == "__main__":
