@@ -110,12 +110,18 @@ def _git(tree: pathlib.Path, *args: str) -> str:
     return done.stdout
 
 
-def prepare_tree(sdist: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
-    """The sdist extracted and committed as a git repository."""
+def extract(sdist: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
+    """The sdist's top folder, extracted into WORKDIR."""
     with tarfile.open(sdist) as archive:
         kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         archive.extractall(workdir, **kwargs)
     (tree,) = [p for p in workdir.iterdir() if p.is_dir()]
+    return tree
+
+
+def prepare_tree(sdist: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
+    """The sdist extracted and committed as a git repository."""
+    tree = extract(sdist, workdir)
     _git(tree, "init", "-q")
     _git(tree, "add", "-A")
     _git(
@@ -520,11 +526,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sdist = fetch_sdist.cached(args.version)
     if sdist is None:
-        print(
-            f"vllm {args.version}: no cached sdist in {fetch_sdist.cache_dir()}; "
-            f"run python patches/tools/fetch_sdist.py --version {args.version}",
-            file=sys.stderr,
-        )
+        print(fetch_sdist.missing(args.version), file=sys.stderr)
         return 2
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-patches-"))
     try:

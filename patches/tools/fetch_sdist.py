@@ -82,6 +82,14 @@ def _sha256(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
+def missing(version: str) -> str:
+    """What to say when VERSION's sdist is not in the cache."""
+    return (
+        f"vllm {version}: no cached sdist in {cache_dir()}; "
+        f"run python patches/tools/fetch_sdist.py --version {version}"
+    )
+
+
 def cached(version: str, directory: pathlib.Path | None = None) -> pathlib.Path | None:
     """VERSION's sdist if the cache holds it with the digest recorded at download."""
     directory = directory or cache_dir()

@@ -54,7 +54,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 
 import yaml
@@ -556,14 +555,6 @@ def read_sources() -> list[Source]:
 
 
 # -- the newest sdist ----------------------------------------------------------
-def extract(sdist: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
-    with tarfile.open(sdist) as archive:
-        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        archive.extractall(workdir, **kwargs)
-    (tree,) = [p for p in workdir.iterdir() if p.is_dir()]
-    return tree
-
-
 class Tree:
     """The newest sdist's files, with the staged new files over them."""
 
@@ -1062,14 +1053,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sdist = sdist_path(args.version, fetch=not args.offline)
     if sdist is None:
-        print(
-            f"vllm {args.version}: no cached sdist in {fetch_sdist.cache_dir()}; "
-            f"run python patches/tools/fetch_sdist.py --version {args.version}",
-            file=sys.stderr,
-        )
+        print(fetch_sdist.missing(args.version), file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="vllm-stage-", dir=scratch()) as tmp:
-        root = extract(sdist, pathlib.Path(tmp) / "sdist")
+        root = check_upstream.extract(sdist, pathlib.Path(tmp) / "sdist")
         staged, ruff = stage(root, install=not args.offline)
         files = render(staged, args.version, ruff)
         if not (args.check or args.verify):

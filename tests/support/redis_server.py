@@ -12,6 +12,8 @@ import tempfile
 import threading
 import time
 
+from vllm_overlay.demo import redis_server_command
+
 
 def _is_free(port: int) -> bool:
     with socket.socket() as s:
@@ -50,20 +52,7 @@ class RedisServer:
     def _spawn(self, extra: tuple[str, ...] = ()) -> None:
         """Start redis-server on this port and folder; wait until it answers."""
         self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
-                *extra,
-            ],
+            [*redis_server_command(self.port, self.dir), *extra],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
