@@ -19,8 +19,8 @@ setup(
     package_data={"vllm_overlay": ["models/tiny_llama/*"]},
     install_requires=["packaging"],
     extras_require={
-        "pool": ["redis>=5", "hiredis"],
-        "test": ["pytest>=8", "tox>=4.20", "redis>=5", "hiredis"],
+        "pool": ["redis>=5", "hiredis", "xxhash>=3"],
+        "test": ["pytest>=8", "tox>=4.20", "redis>=5", "hiredis", "xxhash>=3"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_overlay = vllm_overlay:register"],

@@ -45,6 +45,38 @@ def test_codec_round_trip_and_every_check():
         with pytest.raises(codec.BadValue, match=message):
             codec.decode(ns, key, data, length)
 
+def test_checksum_is_xxh3_and_crc32_values_still_read(monkeypatch):
+    """With xxhash (the pool extra installs it) values carry XXH3-64; a
+    writer without it writes CRC-32, and both are read and checked; a node
+    without xxhash refuses XXH3 values without deleting them."""
+    import xxhash
+    import zlib
+
+    payload = bytes(range(256)) * 37
+    fast = codec.encode(NS, b"k", payload)
+    flags, checksum = int.from_bytes(fast[6:8], "little"), fast[48:56]
+    assert flags & codec.XXH3
+    assert int.from_bytes(checksum, "little") == xxhash.xxh3_64_intdigest(payload)
+
+    monkeypatch.setattr(codec, "xxhash", None)
+    slow = codec.encode(NS, b"k", payload)
+    assert not int.from_bytes(slow[6:8], "little") & codec.XXH3
+    assert int.from_bytes(slow[48:56], "little") == zlib.crc32(payload)
+    assert bytes(codec.decode(NS, b"k", slow, len(payload))) == payload
+    with pytest.raises(codec.BadValue, match="no xxhash package") as refused:
+        codec.decode(NS, b"k", fast, len(payload))
+    assert not refused.value.delete
+    monkeypatch.undo()
+
+    for value in (fast, slow):
+        assert bytes(codec.decode(NS, b"k", value, len(payload))) == payload
+        bad = bytearray(value)
+        bad[-1] ^= 0x80
+        with pytest.raises(codec.BadValue, match="checksum mismatch") as corrupt:
+            codec.decode(NS, b"k", bytes(bad), len(payload))
+        assert corrupt.value.delete
+
+
 
 @pytest.mark.parametrize(
     "values,message",

@@ -66,7 +66,7 @@ def namespace_factors(vllm_config, user_namespace: str) -> list[str]:
     parallel = vllm_config.parallel_config
     lora = getattr(vllm_config, "lora_config", None)
     return [
-        "vllm-shared-kv-pool/3",
+        "vllm-shared-kv-pool/4",  # /4: value format 3 (XXH3)
         f"model-hash={model.compute_hash()}",
         f"model={model.model}@{model.revision}",
         f"quantization={model.quantization}",

