@@ -18,9 +18,10 @@ import time
 BLOCK = 16
 
 
-def build(connector: str = "OverlayOffloadingConnector"):
+def build(connector: str = "OverlayOffloadingConnector", extra_config=None):
     """(scheduler factory, request factory) for CONNECTOR's registered
-    name (vLLM's patched tree names the overlay's connector differently)."""
+    name (vLLM's patched tree names the overlay's connector differently)
+    and its ``kv_connector_extra_config`` (default: 32 host blocks)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -60,7 +61,7 @@ def build(connector: str = "OverlayOffloadingConnector"):
             kv_transfer_config=KVTransferConfig(
                 kv_connector=connector,
                 kv_role="kv_both",
-                kv_connector_extra_config={"num_cpu_blocks": 32},
+                kv_connector_extra_config=extra_config or {"num_cpu_blocks": 32},
             ),
         )
         kv_config = KVCacheConfig(
@@ -112,9 +113,12 @@ def offload(sched, request, n_blocks: int) -> None:
     manager.complete_store(hashes)
 
 
-def report_loaded(sched, out, *req_ids: str) -> None:
+def report_loaded(sched, out, *req_ids: str, sending: bool = False) -> None:
+    """The worker's report: loads of REQ_IDS done (``sending``: finished
+    sending instead, the report that frees a finished request's blocks)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+    done = {"finished_sending" if sending else "finished_recving": set(req_ids)}
     sched.update_from_output(
         out,
         ModelRunnerOutput(
@@ -124,7 +128,7 @@ def report_loaded(sched, out, *req_ids: str) -> None:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
-            kv_connector_output=KVConnectorOutput(finished_recving=set(req_ids)),
+            kv_connector_output=KVConnectorOutput(**done),
         ),
     )
 

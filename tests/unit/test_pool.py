@@ -45,12 +45,14 @@ def test_codec_round_trip_and_every_check():
         with pytest.raises(codec.BadValue, match=message):
             codec.decode(ns, key, data, length)
 
+
 def test_checksum_is_xxh3_and_crc32_values_still_read(monkeypatch):
     """With xxhash (the pool extra installs it) values carry XXH3-64; a
     writer without it writes CRC-32, and both are read and checked; a node
     without xxhash refuses XXH3 values without deleting them."""
-    import xxhash
     import zlib
+
+    import xxhash
 
     payload = bytes(range(256)) * 37
     fast = codec.encode(NS, b"k", payload)
@@ -75,7 +77,6 @@ def test_checksum_is_xxh3_and_crc32_values_still_read(monkeypatch):
         with pytest.raises(codec.BadValue, match="checksum mismatch") as corrupt:
             codec.decode(NS, b"k", bytes(bad), len(payload))
         assert corrupt.value.delete
-
 
 
 @pytest.mark.parametrize(

@@ -108,3 +108,48 @@ def test_only_the_scheduler_role_probes(overlay):
     finally:
         logger.removeHandler(records)
     assert not [m for m in records.messages if "cannot be reached" in m]
+
+
+def test_a_request_finished_while_its_load_is_under_way_keeps_its_blocks(overlay):
+    """A real vLLM Scheduler with the pool connector: a request parked on a
+    pool load is aborted; its blocks stay allocated (the load thread may
+    still write them) until the worker reports it finished sending."""
+    import pathlib
+    import sys
+
+    import redis
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+    from support import sched_scenarios as sc
+    from support.redis_server import redis_server
+
+    from vllm_overlay.connectors.shared_pool.common import pool_key
+
+    with redis_server() as server:
+        scheduler, request = sc.build(
+            "SharedKVPoolConnector", {"url": server.url, "timeout_s": 2.0}
+        )
+        sched = scheduler()
+        side = sched.connector.connector_scheduler
+        a = request("A", 40, seed=1)  # two full blocks and 8 tokens
+        client = redis.Redis.from_url(server.url)
+        for h in side._chain(a)[:2]:
+            client.set(pool_key(side.ns, h, 0), b"a value")
+        sched.add_request(a)
+        pool = sched.kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        deadline = time.monotonic() + 10
+        while a.status != sc.status("WAITING_FOR_REMOTE_KVS"):
+            assert time.monotonic() < deadline, a.status
+            out = sched.schedule()  # the lookup answers asynchronously
+            assert out.total_num_scheduled_tokens == 0
+        assert out.kv_connector_metadata.loads["A"][1] == side._chain(a)[:2]
+        held = free_before - pool.get_num_free_blocks()
+        assert held == 2  # the two blocks the load writes
+        sched.finish_requests("A", sc.status("FINISHED_ABORTED"))
+        assert pool.get_num_free_blocks() == free_before - held
+        assert "A" in sched.requests
+        sc.report_loaded(sched, sched.schedule(), "A", sending=True)
+        assert pool.get_num_free_blocks() == free_before
+        assert "A" not in sched.requests
+        client.close()

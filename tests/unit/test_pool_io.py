@@ -227,15 +227,44 @@ def test_ring_hands_out_contiguous_spans_and_reuses_them():
     assert ring.rows.data_ptr() == ptr and ring.allocations == 1
 
 
-def _worker(pool, blocks: int = 12, block_words: int = 512):
+def _worker(pool, blocks: int = 12, block_words: int = 512, layers: int = 1):
+    """A worker on a CPU cache ``[blocks, block_words]`` (float32).  One
+    layer: each block is one run, loads are read straight into the cache;
+    two layers (the cache's halves as two tensors): two runs per block,
+    loads go through the load ring and a scatter."""
     from vllm_overlay.connectors.shared_pool.worker import SharedPoolWorker
     from vllm_overlay.core.ops.block_copy import BlockTable
 
     config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=1))
     worker = SharedPoolWorker(config, NS, pool)
     cache = torch.zeros(blocks, block_words, dtype=torch.float32)
-    worker._set_table(BlockTable.from_tensors([cache], 0), "test", LAYOUT)
+    if layers == 1:
+        tensors = [cache]
+    else:
+        storage = torch.zeros(layers, blocks, block_words // layers)
+        tensors = list(storage.unbind(0))
+        cache = _LayerView(storage)
+    worker._set_table(BlockTable.from_tensors(tensors, 0), "test", LAYOUT)
+    assert (worker._cache_rows is not None) == (layers == 1)
     return worker, cache
+
+
+class _LayerView:
+    """Blocks of a per-layer cache ``[layers, blocks, words]`` as rows
+    ``[blocks, layers * words]`` (copies out, writes through)."""
+
+    def __init__(self, storage: torch.Tensor) -> None:
+        self.storage = storage
+
+    def __getitem__(self, ids):
+        return self.storage[:, ids].permute(1, 0, 2).reshape(len(ids), -1)
+
+    def copy_(self, rows: torch.Tensor) -> None:
+        n = self.storage.shape[1]
+        self.storage.copy_(rows.reshape(n, self.storage.shape[0], -1).transpose(0, 1))
+
+    def randomize(self) -> None:
+        self.storage.copy_(torch.randn_like(self.storage))
 
 
 def _meta(loads=None, stores=None):
@@ -254,17 +283,33 @@ def _until(predicate, timeout_s: float = 10.0):
     raise AssertionError("timed out")
 
 
-def test_blocks_round_trip_through_the_rings_without_allocating_staging(monkeypatch):
+@pytest.mark.parametrize("layers", [1, 2], ids=["direct", "staged"])
+def test_blocks_round_trip_through_the_rings_without_allocating_staging(
+    monkeypatch, layers
+):
     """Worker A stores blocks step after step, worker B loads them into
     another cache: the bytes arrive, and after registration no staging
     memory is allocated (torch.empty/zeros and pinned allocations are
-    counted; the rings' buffers stay the same)."""
+    counted; the rings' buffers stay the same).  Direct loads (one run per
+    block) never scatter; staged ones scatter once per load."""
+    from vllm_overlay.connectors.shared_pool import worker as worker_module
+
+    scatters = []
+    real_scatter = worker_module.SharedPoolWorker._scatter
+    monkeypatch.setattr(
+        worker_module.SharedPoolWorker,
+        "_scatter",
+        lambda self, *a: scatters.append(a) or real_scatter(self, *a),
+    )
     with redis_server() as server:
         pool_a, pool_b = (KVPool(PoolConfig(url=server.url)) for _ in range(2))
         try:
-            a, cache_a = _worker(pool_a)
-            b, cache_b = _worker(pool_b)
-            cache_a.copy_(torch.randn_like(cache_a))
+            a, cache_a = _worker(pool_a, layers=layers)
+            b, cache_b = _worker(pool_b, layers=layers)
+            if layers == 1:
+                cache_a.copy_(torch.randn_like(cache_a))
+            else:
+                cache_a.randomize()
             rings = [w._store_ring.rows.data_ptr() for w in (a, b)]
             rings += [w._load_ring.rows.data_ptr() for w in (a, b)]
             big = []
@@ -295,6 +340,7 @@ def test_blocks_round_trip_through_the_rings_without_allocating_staging(monkeypa
                 assert not b.get_block_ids_with_load_errors()
                 assert torch.equal(cache_b[target], cache_a[ids])
             assert big == []
+            assert len(scatters) == (0 if layers == 1 else 4)
             assert [w._store_ring.rows.data_ptr() for w in (a, b)] + [
                 w._load_ring.rows.data_ptr() for w in (a, b)
             ] == rings
@@ -325,6 +371,47 @@ def test_a_corrupt_value_read_in_place_is_refused_and_deleted():
             assert pool_b.drain()
             assert server.cli("exists", key.decode()) == "0"
             assert pool_b.cumulative()["load_failures"] == 1
+        finally:
+            pool_a.close()
+            pool_b.close()
+
+
+@pytest.mark.parametrize("layers", [1, 2], ids=["direct", "staged"])
+def test_a_request_finished_mid_load_is_released_only_after_the_load(layers):
+    """The server holds the load back (CLIENT PAUSE); the request finishes
+    meanwhile.  It is never reported as received, it is reported finished
+    (sending: the scheduler then frees its blocks) only once the load
+    thread is done with them, and a staged load is not scattered."""
+    with redis_server() as server:
+        pool_a, pool_b = (KVPool(PoolConfig(url=server.url)) for _ in range(2))
+        try:
+            a, cache_a = _worker(pool_a, blocks=4, layers=layers)
+            b, cache_b = _worker(pool_b, blocks=4, layers=layers)
+            chain = [b"d0", b"d1"]
+            a.wait_for_save(_meta(stores={"r": ([0, 1], chain)}))
+            a.get_finished(set())
+            assert pool_a.drain()
+            b.get_finished(set())  # connects the load thread's client
+            server.cli("client", "pause", "400", "all")
+            b.start_load_kv(_meta(loads={"L": ([2, 3], chain)}))
+            done, _ = b.get_finished({"L"})  # L finished: its load is not
+            assert not done
+            assert pool_b._pending_loads == 1
+            reported = []
+            deadline = time.monotonic() + 10
+            while not reported:
+                assert time.monotonic() < deadline
+                pending = pool_b._pending_loads
+                sending, recving = b.get_finished(set())
+                assert not recving
+                if sending:
+                    assert sending == {"L"} and pending == 0
+                    reported.append(sending)
+                time.sleep(0.005)
+            assert b.get_finished(set()) == (None, None)
+            assert b._load_ring.in_use == 0 and not b._aborted_loads
+            if layers == 2:  # staged: never scattered into the blocks
+                assert not cache_b[[2, 3]].any()
         finally:
             pool_a.close()
             pool_b.close()

@@ -242,6 +242,7 @@ class SharedPoolScheduler:
     def request_finished(self, request, block_ids):
         req_id = request.request_id
         for table in (
+            self._loads,  # (not sent yet: its blocks are never written)
             self._chains,
             self._requests,
             self._block_ids,
@@ -256,4 +257,7 @@ class SharedPoolScheduler:
         pending = self._pending.pop(req_id, None)
         if pending is not None:
             pending[2].abandoned = True
-        return req_id in self._storing, None
+        # A load under way still writes into its blocks: they are freed when
+        # the worker reports the request finished (after the load landed).
+        loading = self._loading.pop(req_id, None) is not None
+        return req_id in self._storing or loading, None

@@ -7,9 +7,18 @@ store copies its blocks into one ring and the store thread sends them from
 there (header and payload as separate buffers, encoded and checksummed on
 that thread); a load's values are read by the load thread straight into
 the other ring (header checked in place, payload never copied in Python)
-and moved to the KV cache with one call per batch.  On the engine thread:
-no staging allocation, no encoding, no checksum, no stream synchronize (a
-CUDA event says when a ring span may be reused)."""
+and moved to the KV cache with one call per batch.  With a KV cache in host
+memory whose blocks are one run each (CPU, cross-layer or a single layer)
+there is no load staging at all: each payload is read from the socket
+straight into its KV block (a value refused by its check leaves the block
+to be recomputed, like any load error).  On the engine thread: no staging
+allocation, no encoding, no checksum, no stream synchronize (a CUDA event
+says when a ring span may be reused).
+
+A request finished (aborted) while its load is under way keeps its blocks
+until the load has landed: the scheduler side delays freeing them and the
+worker reports the request finished once the load thread is done with
+them, so no load ever writes into blocks another request was given."""
 
 from __future__ import annotations
 
@@ -144,6 +153,8 @@ class SharedPoolWorker:
         self._cache_words: torch.Tensor | None = None  # [blocks, words], CPU
         self._word = torch.uint8
         self._unreleased: list = []  # (event, load span) still read on device
+        self._cache_rows = None  # numpy [blocks, block bytes]: direct loads
+        self._aborted_loads: set[str] = set()  # finished while loading
 
     def _key(self, chain_hash: bytes) -> bytes:
         return pool_key(self.ns, chain_hash, self._rank)
@@ -174,34 +185,35 @@ class SharedPoolWorker:
         config = self.pool.config
         value_bytes = table.block_bytes + codec.HEADER_BYTES
         pin = table.device.type == "cuda"
+        self._cache_words = self._cache_rows = None
+        if table.device.type == "cpu" and len(table.segments) == 1:
+            seg = table.segments[0]
+            base_ptr = seg.storage.data_ptr()
+            for size, dtype in _WORDS:
+                if not (base_ptr | seg.offset | seg.stride | seg.length) % size:
+                    break
+            words = torch.empty(0, dtype=dtype).set_(
+                seg.storage, 0, (seg.storage.nbytes() // size,), (1,)
+            )
+            self._cache_words = words.as_strided(
+                (table.num_blocks, seg.length // size),
+                (seg.stride // size, 1),
+                seg.offset // size,
+            )
+            self._word = dtype
+            self._cache_rows = self._cache_words.view(torch.uint8).numpy()
         self._store_ring = StagingRing(
             max(1, min(table.num_blocks, config.max_inflight_bytes // value_bytes)),
             table.block_bytes,
             pin,
         )
+        # Direct loads need header rows only.
         self._load_ring = StagingRing(
             max(1, min(table.num_blocks, config.load_limit_bytes // value_bytes)),
-            table.block_bytes,
+            0 if self._cache_rows is not None else table.block_bytes,
             pin,
             header_bytes=codec.HEADER_BYTES,
         )
-        self._cache_words = None
-        if table.device.type != "cpu" or len(table.segments) != 1:
-            return
-        seg = table.segments[0]
-        base_ptr = seg.storage.data_ptr()
-        for size, dtype in _WORDS:
-            if not (base_ptr | seg.offset | seg.stride | seg.length) % size:
-                break
-        words = torch.empty(0, dtype=dtype).set_(
-            seg.storage, 0, (seg.storage.nbytes() // size,), (1,)
-        )
-        self._cache_words = words.as_strided(
-            (table.num_blocks, seg.length // size),
-            (seg.stride // size, 1),
-            seg.offset // size,
-        )
-        self._word = dtype
 
     def register_cross_layers_kv_cache(self, kv_cache, layout) -> None:
         table = cross_layer_table(kv_cache, layout)
@@ -294,9 +306,11 @@ class SharedPoolWorker:
                 prepare=functools.partial(
                     self._prepare_load, block_ids, keys, start, checked
                 ),
-                into=functools.partial(self._load_into, start),
+                into=functools.partial(self._load_into, block_ids, start),
                 max_keys=n,
-                landed=functools.partial(self._check_landed, keys, start, checked),
+                landed=functools.partial(
+                    self._check_landed, block_ids, keys, start, checked
+                ),
             )
             if n and not fetched:
                 self._load_ring.release(start)
@@ -304,15 +318,27 @@ class SharedPoolWorker:
             # are in the KV cache.
             self._jobs[req_id] = (block_ids, chain, start if fetched else None)
 
-    def _load_into(self, start: int, i: int, length: int):
-        """Runs on the load thread: where value ``i`` goes (its header row
-        and its payload row), if it has the length of this node's values."""
+    def _payload_row(self, block_id: int, row: int):
+        """Where a loaded payload lies: its KV block (direct loads) or its
+        load ring row."""
+        if self._cache_rows is not None:
+            return self._cache_rows[block_id]
+        return self._load_ring.rows_np[row]
+
+    def _load_into(self, block_ids, start: int, i: int, length: int):
+        """Runs on the load thread: where value ``i`` goes (its header row,
+        and its KV block or its payload row), if it has the length of this
+        node's values."""
         if length != self._table.block_bytes + codec.HEADER_BYTES:
             return None  # read as bytes, refused by its check
-        ring = self._load_ring
-        return [ring.heads[start + i].data, ring.rows_np[start + i].data]
+        return [
+            self._load_ring.heads[start + i].data,
+            self._payload_row(block_ids[i], start + i).data,
+        ]
 
-    def _check_value(self, key: bytes, row: int, value) -> codec.BadValue | None:
+    def _check_value(
+        self, block_id: int, key: bytes, row: int, value
+    ) -> codec.BadValue | None:
         """Runs on the load thread: the refusal of one value (None: good)."""
         try:
             if value is None:
@@ -327,12 +353,11 @@ class SharedPoolWorker:
                     self._mac_key,
                 )
                 raise codec.BadValue(f"value of {len(value)} B")  # (decode raised)
-            ring = self._load_ring
             codec.check(
                 self.ns,
                 key,
-                ring.heads[row],
-                ring.rows_np[row],
+                self._load_ring.heads[row],
+                self._payload_row(block_id, row),
                 self._table.block_bytes,
                 self._layout,
                 self._mac_key,
@@ -341,10 +366,10 @@ class SharedPoolWorker:
             return exc
         return None
 
-    def _check_landed(self, keys, start, checked, i: int, value) -> None:
+    def _check_landed(self, block_ids, keys, start, checked, i: int, value) -> None:
         """Runs on the load thread as soon as value ``i`` is read: checked
         in place while the server sends the next ones."""
-        checked[i] = (self._check_value(keys[i], start + i, value),)
+        checked[i] = (self._check_value(block_ids[i], keys[i], start + i, value),)
 
     def _prepare_load(self, block_ids, keys, start, checked, values) -> _ReadyLoad:
         """Runs on the pool's load thread once every value is read: each
@@ -354,7 +379,7 @@ class SharedPoolWorker:
             done = checked[i]
             exc = done[0] if done is not None else None
             if done is None or value is None:
-                exc = self._check_value(key, start + i, value)
+                exc = self._check_value(block_id, key, start + i, value)
             if exc is not None:
                 ready.failed_ids.append(block_id)
                 if value is not None:
@@ -368,14 +393,21 @@ class SharedPoolWorker:
         return ready
 
     def _finish_loads(self) -> set[str]:
+        """Loads the load thread is done with: scattered into the KV cache
+        (unless read there directly), reported as received; a request
+        finished meanwhile is not reported here (see get_finished)."""
         done = set()
         for req_id, ready in self.pool.poll_loads():
             block_ids, _, start = self._jobs.pop(req_id)
+            if req_id in self._aborted_loads:  # its blocks: no longer wanted
+                if start is not None:
+                    self._load_ring.release(start)
+                continue
             if ready is None:  # preparing failed (logged): recompute all
                 ready = _ReadyLoad(failed_ids=list(block_ids))
             self._load_errors.update(ready.failed_ids)
             event = None
-            if ready.good_ids:
+            if ready.good_ids and self._cache_rows is None:
                 event = self._scatter(ready.good_ids, ready.good_rows)
             if start is not None:
                 if event is None:
@@ -464,20 +496,24 @@ class SharedPoolWorker:
         )
 
     def get_finished(self, finished_req_ids: set[str]):
+        """(finished sending, finished receiving).  The scheduler side held
+        the blocks of a finished request with stores or a load under way:
+        it is reported as finished sending once neither is left."""
         self._flush_copies()
         self._release_read_spans()
+        for req_id in finished_req_ids:
+            if req_id in self._jobs:  # finished while its load is under way
+                self._aborted_loads.add(req_id)
         finished_recving = self._finish_loads()
         finished_sending = set()
         for req_id in finished_req_ids:
-            if req_id in self._stored_reqs and req_id not in self._pending_copies:
-                self._stored_reqs.discard(req_id)
-                finished_sending.add(req_id)
-            elif req_id in self._stored_reqs:
+            if req_id in self._stored_reqs or req_id in self._aborted_loads:
                 self._waiting_finish.add(req_id)
         for req_id in list(self._waiting_finish):
-            if req_id not in self._pending_copies:
+            if req_id not in self._pending_copies and req_id not in self._jobs:
                 self._waiting_finish.discard(req_id)
                 self._stored_reqs.discard(req_id)
+                self._aborted_loads.discard(req_id)
                 finished_sending.add(req_id)
         return finished_sending or None, finished_recving or None
 

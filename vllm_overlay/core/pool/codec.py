@@ -132,8 +132,8 @@ def _check_header(
     returns (flags, checksum, mac)."""
     if value_length < HEADER_BYTES or len(head) < HEADER_BYTES:
         raise BadValue(f"value of {value_length} B is shorter than the header")
-    magic, version, flags, ns, ktag, ltag, length, checksum, mac = (
-        _HEADER.unpack_from(head)
+    magic, version, flags, ns, ktag, ltag, length, checksum, mac = _HEADER.unpack_from(
+        head
     )
     if magic != MAGIC:
         raise BadValue("not a vllm-overlay KV value (bad magic)")
