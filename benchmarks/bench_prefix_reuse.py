@@ -23,6 +23,14 @@ own process:
                          second engine process, which never saw the prompt
                          (and resets its device cache), loads it from the pool
 
+The pool's read inside the engine is also set against a raw reader on the
+same server in the same round: right after the pool reload, this script
+reads the same keys (the ones the writer added this round) with plain
+``recv_into`` into a preallocated, touched buffer (``bench_pool.read_raw``,
+one pipelined batch, no parsing, 3 times, the median); the ratio is the raw
+read's seconds over the pool load thread's (``io_seconds_in``: the GETs
+sent to the last value read and checked).
+
 Every path is checked to have happened (cold: 0 cached tokens; device hit:
 vLLM's prefix-cache hit tokens = every full block; host and pool: the
 connector's own counters show blocks loaded and the cached tokens cover
@@ -534,6 +542,12 @@ def main() -> int:
 
         runs: list[dict] = []
         problems: list[str] = []
+        pool_keys = None
+        if url is not None:
+            import redis
+
+            pool_keys = redis.Redis.from_url(url)
+            stack.callback(pool_keys.close)
         for r in range(rounds):
             seed = args.seed + r
             shift = r % len(paths)
@@ -551,11 +565,22 @@ def main() -> int:
             # when the device hit comes before the cold run.
             if "hit" in keys and keys.index("hit") < keys.index("cold"):
                 rec["prepare"]["stock"] = engines["stock"].call("run", **cmd)
+            before = set(pool_keys.scan_iter(count=1000)) if pool_keys else set()
             for name in ("offload_cl", "offload_pl", "pool_writer"):
                 if name in engines:
                     rec["prepare"][name] = engines[name].call("run", **cmd)
             if "pool_writer" in engines:
                 rec["writer_after_flush"] = engines["pool_writer"].call("flush")
+                # Until every block of the prompt is in the pool: the writer's
+                # store thread may still be sending (a reload measured then
+                # would share the server with it).
+                deadline = time.monotonic() + 60
+                while True:
+                    round_keys = sorted(set(pool_keys.scan_iter(count=1000)) - before)
+                    if len(round_keys) >= full_blocks or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
+                rec["round_keys"] = len(round_keys)
             rec["paths"] = {}
             for key, _label, _src, name in order:
                 time.sleep(0.3)  # let the last engine's threads go idle
@@ -566,6 +591,8 @@ def main() -> int:
                     reset=key != "hit",
                     **cmd,
                 )
+                if key == "pool":
+                    rec["pool_raw_read_s"] = raw_read(server, round_keys, pool_keys)
             runs.append(rec)
             problems += check_round(rec, expect_cached, n_prompt, full_blocks)
             print(
@@ -635,6 +662,21 @@ def main() -> int:
     return 1 if problems else 0
 
 
+def raw_read(server, keys: list[bytes], client) -> float | None:
+    """Median seconds of 3 raw ``recv_into`` reads of ``keys`` (one
+    pipelined batch, as the pool's load of one request), or None."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_pool import read_raw
+
+    sizes = {client.strlen(k) for k in keys}
+    if not keys or len(sizes) != 1:
+        return None  # (check_round reports a round without all its keys)
+    (size,) = sizes
+    return statistics.median(
+        read_raw(server.port, keys, size, len(keys)) for _ in range(3)
+    )
+
+
 # -- checks --------------------------------------------------------------------
 def check_round(
     rec: dict, expect_cached: int, n_prompt: int, full_blocks: int
@@ -642,6 +684,11 @@ def check_round(
     """Did each path really happen, and are its tokens the cold run's?"""
     out = []
     r = rec["round"]
+    if rec.get("round_keys", full_blocks) != full_blocks:
+        out.append(
+            f"round {r}: the writer stored {rec['round_keys']} blocks "
+            f"(expected {full_blocks})"
+        )
     cold = rec["paths"]["cold"]["tokens"]
     for key, res in rec["paths"].items():
         bad = []
@@ -736,6 +783,21 @@ def summarise(runs: list[dict], paths: list[tuple]) -> list[dict]:
                 else None,
             }
         )
+        if key == "pool":
+            pairs = [
+                (run["pool_raw_read_s"], x["moved"].get("load_s"))
+                for run, x in zip(runs, res)
+                if run.get("pool_raw_read_s") and x["moved"].get("load_s")
+            ]
+            rows[-1]["raw_read_s"] = _stats([p[0] for p in pairs]) if pairs else None
+            rows[-1]["read_vs_raw"] = (
+                _stats([raw / engine for raw, engine in pairs]) if pairs else None
+            )
+        if key in ("pool", "host_cl"):
+            host = [run["paths"]["host_cl"]["ttft_s"] for run in runs]
+            rows[-1]["ttft_vs_host_cl"] = _stats(
+                [x["ttft_s"] / h for h, x in zip(host, res)]
+            )
     return rows
 
 
@@ -828,6 +890,16 @@ def print_table(rows: list[dict], meta: dict, info: dict, runs: list[dict]) -> N
             f"engine {name}: {layout}{extra}; built in {i['engine_s']:.1f} s, "
             f"max RSS {i['max_rss_mib']:.0f} MiB"
         )
+    for row in rows:
+        if row["key"] == "pool" and row.get("read_vs_raw"):
+            print(
+                "pool read inside the engine (its load thread: GETs sent to "
+                "the last value read and checked) against a raw recv_into "
+                "reader of the same keys on the same server right after it "
+                f"(rate ratio, paired): {_range(row['read_vs_raw'], '.2f')}x; "
+                f"pool reload TTFT / host reload (cross-layer) TTFT: "
+                f"{_range(row['ttft_vs_host_cl'], '.2f')}x"
+            )
     prep: dict[str, list[float]] = {}
     for run in runs:
         for name, res in run["prepare"].items():

@@ -127,7 +127,8 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
     "shared-pool": [
         (
             "[KVConnector] Shared KV pool storage core (Redis/Valkey)",
-            "Values with a checked header (namespace, key, layout, CRC and an\n"
+            "Values with a checked header (namespace, key, layout, a checksum:\n"
+            "XXH3-64 with the optional xxhash package, else CRC-32, and an\n"
             "optional keyed MAC), validated configuration, classified\n"
             "failures, and a pool client whose lookups, stores and loads all\n"
             "run on background threads.",
@@ -139,7 +140,9 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "many vLLM nodes; a request whose prefix another node computed\n"
             "loads it. The scheduler never waits on the network: a lookup\n"
             "under way answers None (ask again next step); any failure means\n"
-            "recompute.\n\n"
+            "recompute. A request finished while its load is under way keeps\n"
+            "its blocks until the load has landed. On CPU, values are read\n"
+            "from the socket straight into their KV blocks.\n\n"
             "Semantics of PR #16159, reworked.",
             ["0006", "0007", "0008", "0009", "0010", "0011"],
         ),

@@ -51,6 +51,28 @@ def test_codec_round_trip():
     assert codec.encode_header(NS, KEY, PAYLOAD, LAYOUT) == value[:72]
 
 
+def test_codec_checksums(monkeypatch):
+    """XXH3-64 where xxhash is installed, CRC-32 otherwise; a reader checks
+    what the flags name, and one without xxhash refuses (keeps) XXH3 values."""
+    import zlib
+
+    monkeypatch.setattr(codec, "xxhash", None)
+    crc = codec.encode(NS, KEY, PAYLOAD, LAYOUT)
+    assert not struct.unpack_from("<H", crc, 6)[0] & codec.XXH3
+    assert struct.unpack_from("<Q", crc, 48)[0] == zlib.crc32(PAYLOAD)
+    monkeypatch.undo()
+    assert bytes(codec.decode(NS, KEY, crc, len(PAYLOAD), LAYOUT)) == PAYLOAD
+    xxhash = pytest.importorskip("xxhash")
+    fast = codec.encode(NS, KEY, PAYLOAD, LAYOUT)
+    assert struct.unpack_from("<H", fast, 6)[0] & codec.XXH3
+    assert struct.unpack_from("<Q", fast, 48)[0] == xxhash.xxh3_64_intdigest(PAYLOAD)
+    assert bytes(codec.decode(NS, KEY, fast, len(PAYLOAD), LAYOUT)) == PAYLOAD
+    monkeypatch.setattr(codec, "xxhash", None)
+    with pytest.raises(codec.BadValue, match="no xxhash") as exc:
+        codec.decode(NS, KEY, fast, len(PAYLOAD), LAYOUT)
+    assert not exc.value.delete
+
+
 def _flip(value: bytes, at: int) -> bytes:
     return value[:at] + bytes([value[at] ^ 0xFF]) + value[at + 1 :]
 
@@ -88,10 +110,11 @@ def test_codec_signatures():
     assert bytes(codec.decode(NS, KEY, signed, len(PAYLOAD), LAYOUT, secret)) == (
         PAYLOAD
     )
-    # a forged payload with a valid CRC, the flags and the old MAC
+    # a forged payload with a valid checksum, the flags and the old MAC
     forged_payload = bytes(reversed(PAYLOAD))
     forged = bytearray(codec.encode(NS, KEY, forged_payload, LAYOUT))
-    struct.pack_into("<H", forged, 6, codec.SIGNED)
+    (flags,) = struct.unpack_from("<H", forged, 6)
+    struct.pack_into("<H", forged, 6, flags | codec.SIGNED)
     forged[56:72] = signed[56:72]
     for value, key, message in [
         (unsigned, secret, "unsigned value"),
@@ -337,6 +360,63 @@ def test_pool_deletes_a_key_of_the_wrong_type(server, redis_url, make_pool):
         time.sleep(0.01)
     assert not server.exists(b"vkv:test:r0:list")
     assert pool.take_stats().bad_keys == 1
+
+
+def test_request_finished_mid_load_keeps_its_blocks(server, redis_url, make_pool):
+    """A request finished while its load is under way: the scheduler side
+    delays freeing its blocks, and the worker reports it finished (sending)
+    only once the load thread is done with them, never as received."""
+    import types
+
+    import torch
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.common import (  # noqa: E501
+        PoolMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.scheduler import (  # noqa: E501
+        SharedPoolScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.shared_pool_connector.worker import (  # noqa: E501
+        SharedPoolWorker,
+    )
+    from vllm.v1.kv_offload.block_copy import BlockTable
+
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=1))
+    workers = []
+    for _ in range(2):
+        worker = SharedPoolWorker(config, NS, make_pool(url=redis_url))
+        cache = torch.zeros(4, 256)
+        worker._set_table(BlockTable.from_tensors([cache], 0), "test", LAYOUT)
+        workers.append((worker, cache))
+    (a, cache_a), (b, _) = workers
+    cache_a.copy_(torch.randn_like(cache_a))
+    chain = [b"h0", b"h1"]
+    a.wait_for_save(PoolMetadata(loads={}, stores={"r": ([0, 1], chain)}))
+    a.get_finished(set())
+    assert a.pool.drain()
+    b.get_finished(set())
+    server.execute_command("CLIENT", "PAUSE", 400, "ALL")
+    b.start_load_kv(PoolMetadata(loads={"L": ([2, 3], chain)}, stores={}))
+    assert b.get_finished({"L"}) == (None, None)  # finished, still loading
+    deadline = time.monotonic() + 10
+    while True:
+        assert time.monotonic() < deadline
+        pending = b.pool._pending_loads
+        sending, recving = b.get_finished(set())
+        assert not recving
+        if sending:
+            assert sending == {"L"} and pending == 0
+            break
+        time.sleep(0.005)
+
+    config.cache_config = types.SimpleNamespace(
+        block_size=16, prefix_caching_hash_algo="sha256"
+    )
+    side = SharedPoolScheduler(config, NS, b.pool)
+    request = types.SimpleNamespace(request_id="L")
+    side._loading["L"] = ([2, 3], chain)
+    assert side.request_finished(request, [2, 3]) == (True, None)
+    assert side.request_finished(request, [2, 3]) == (False, None)
 
 
 def test_unreachable_pool_pauses_and_answers_miss(make_pool):
