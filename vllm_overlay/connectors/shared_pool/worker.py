@@ -202,6 +202,9 @@ class SharedPoolWorker:
             )
             self._word = dtype
             self._cache_rows = self._cache_words.view(torch.uint8).numpy()
+            # Block ids of one gather or scatter (synchronous on CPU).
+            self._ids = torch.empty(table.num_blocks, dtype=torch.int64)
+            self._ids_np = self._ids.numpy()
         self._store_ring = StagingRing(
             max(1, min(table.num_blocks, config.max_inflight_bytes // value_bytes)),
             table.block_bytes,
@@ -249,11 +252,19 @@ class SharedPoolWorker:
         return "triton" if self._table.device.type == "cuda" else "dma"
 
     # -- copies (engine thread): one call per batch --------------------------
+    def _block_index(self, block_ids: list[int]) -> torch.Tensor:
+        """``block_ids`` as an int64 tensor: in a buffer allocated once for
+        the synchronous CPU copies, else a new (small) tensor."""
+        if self._cache_words is None:
+            return torch.tensor(block_ids, dtype=torch.int64)
+        self._ids_np[: len(block_ids)] = block_ids
+        return self._ids[: len(block_ids)]
+
     def _gather(self, block_ids: list[int], start: int):
         """Blocks -> store ring rows ``start ..``; a CUDA event (or None:
         done) says when the rows are written."""
         ring, n = self._store_ring, len(block_ids)
-        ids = torch.tensor(block_ids, dtype=torch.int64)
+        ids = self._block_index(block_ids)
         if self._cache_words is not None:
             torch.index_select(
                 self._cache_words, 0, ids, out=ring.words(self._word)[start : start + n]
@@ -267,19 +278,15 @@ class SharedPoolWorker:
         return event
 
     def _scatter(self, block_ids: list[int], rows: list[int]):
-        """Load ring rows -> blocks; a CUDA event (or None: done) says when
-        the rows have been read.  Queued on the current stream: the next
-        forward pass sees the blocks without a synchronize."""
+        """Load ring rows -> blocks (caches with several runs per block, or
+        on the device; one run per block in host memory is read in place);
+        a CUDA event (or None: done) says when the rows have been read.
+        Queued on the current stream: the next forward pass sees the blocks
+        without a synchronize."""
         ring = self._load_ring
-        ids = torch.tensor(block_ids, dtype=torch.int64)
+        ids = self._block_index(block_ids)
         first = rows[0]
-        contiguous = rows == list(range(first, first + len(rows)))
-        if self._cache_words is not None and contiguous:
-            self._cache_words.index_copy_(
-                0, ids, ring.words(self._word)[first : first + len(rows)]
-            )
-            return None
-        if contiguous:
+        if rows == list(range(first, first + len(rows))):
             scatter(
                 self._table, ids, ring.rows[first : first + len(rows)], self._method()
             )
