@@ -11,6 +11,7 @@ import torch
 from tests.v1.kv_connector.unit.tiny_llama import (
     make_tiny_llama,
     prompt_token_ids,
+    run_once,
     tiny_llm,
 )
 from vllm.config import (
@@ -208,12 +209,6 @@ def test_engine_reloads_an_evicted_prefix_from_host(model, monkeypatch):
     prompt = {"prompt_token_ids": prompt_token_ids(100)}  # 6 full blocks
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
 
-    def run(llm):
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        tokens = list(out.outputs[0].token_ids)
-        logprobs = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        return tokens, logprobs, out.num_cached_tokens
-
     with tiny_llm(
         model, num_gpu_blocks=16, kv_transfer_config=kv_transfer_config
     ) as llm:
@@ -224,7 +219,7 @@ def test_engine_reloads_an_evicted_prefix_from_host(model, monkeypatch):
         handler = get_kv_transfer_group().connector_worker.handler
         assert handler.mover.table.runs_per_block == 1
 
-        recomputed = run(llm)
+        recomputed = run_once(llm, prompt, params)
         assert recomputed[2] == 0
         # one more step completes the stores and frees the blocks; then the
         # device prefix cache is emptied (the host pool keeps its copies)
@@ -237,7 +232,7 @@ def test_engine_reloads_an_evicted_prefix_from_host(model, monkeypatch):
         assert handler.cumulative()["load"]["blocks"] == 0
         llm.reset_prefix_cache()
 
-        reloaded = run(llm)
+        reloaded = run_once(llm, prompt, params)
         loads = handler.cumulative()["load"]
     assert reloaded[2] == 96  # 6 blocks from host, the last token computed
     assert loads["blocks"] == 6

@@ -18,6 +18,7 @@ import redis.exceptions as rex
 from tests.v1.kv_connector.unit.tiny_llama import (
     make_tiny_llama,
     prompt_token_ids,
+    run_once,
     tiny_llm,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.shared_pool import codec
@@ -466,14 +467,8 @@ def test_engine_loads_blocks_another_engine_stored(
     prompt = {"prompt_token_ids": prompt_token_ids(100)}  # 6 full blocks
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
 
-    def run(llm):
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        tokens = list(out.outputs[0].token_ids)
-        logprobs = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        return tokens, logprobs, out.num_cached_tokens
-
     with tiny_llm(model, kv_transfer_config=kv_transfer_config) as llm:
-        computed = run(llm)
+        computed = run_once(llm, prompt, params)
         # one more step hands the last copies to the store thread
         llm.generate(
             [{"prompt_token_ids": prompt_token_ids(3, offset=50)}],
@@ -488,7 +483,7 @@ def test_engine_loads_blocks_another_engine_stored(
     assert server.dbsize() == stored["stored_blocks"]
 
     with tiny_llm(model, kv_transfer_config=kv_transfer_config) as llm:
-        loaded = run(llm)
+        loaded = run_once(llm, prompt, params)
         totals = get_kv_transfer_group().pool.cumulative()
     assert loaded[2] == 96  # 6 blocks from the pool, the last token computed
     assert totals["loaded_blocks"] == 6 and totals["load_failures"] == 0

@@ -48,6 +48,15 @@ def prompt_token_ids(num_tokens: int, offset: int = 0) -> list[int]:
     return [3 + (offset + 7 * i) % (VOCAB_SIZE - 3) for i in range(num_tokens)]
 
 
+def run_once(llm, prompt, params):
+    """(generated token ids, their logprobs, cached prompt tokens) of one
+    prompt (PARAMS must ask for logprobs)."""
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    logprobs = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+    return tokens, logprobs, out.num_cached_tokens
+
+
 @contextlib.contextmanager
 def tiny_llm(model: str, num_gpu_blocks: int = 32, **kwargs):
     """An in-process engine (set VLLM_ENABLE_V1_MULTIPROCESSING=0) on MODEL,
