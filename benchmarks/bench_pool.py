@@ -29,6 +29,10 @@ same for writes: ``redis-benchmark SET -c 1 -P <batch>`` against
 ``KVPool.submit_store`` (EXISTS, then SET NX with header and payload sent
 as separate buffers; the header's checksum computed on the store thread).
 
+A first table times the value checksum alone: XXH3-64 against zlib's
+CRC-32 (the fallback of a node without ``xxhash``) over the same 8 MiB
+values.
+
 There is no decode-under-swap-out row any more: an engine writes KV at the
 rate it computes it (~1 MB/s for the tiny model on this CPU), and what its
 stores cost the engine loop is measured by ``bench_pool_liveness.py``
@@ -365,6 +369,36 @@ def write_table(server, sizes, total_mib: int, count_arg, batch: int, repeats: i
         )
 
 
+def checksum_table(total_mib: int, repeats: int) -> None:
+    """The value checksum's cost: XXH3-64 (what nodes with ``xxhash``
+    write) against zlib's CRC-32 (the fallback), over the same random
+    buffer in 8 MiB slices (one value each), interleaved rounds."""
+    import zlib
+
+    import xxhash
+
+    data = numpy.random.default_rng(0).integers(
+        0, 256, size=total_mib << 20, dtype=numpy.uint8
+    )
+    slices = [memoryview(row) for row in data.reshape(-1, 8 << 20)]
+    ratios = []
+    for _ in range(repeats):
+        secs = {}
+        for name, fn in (("crc32", zlib.crc32), ("xxh3", xxhash.xxh3_64_intdigest)):
+            start = time.perf_counter()
+            for view in slices:
+                fn(view)
+            secs[name] = time.perf_counter() - start
+        ratios.append(secs["crc32"] / secs["xxh3"])
+    print(
+        f"\n# Checksums: {len(slices)} values of 8 MiB, {repeats} interleaved "
+        "rounds; ratio paired per round: median [min, max]"
+    )
+    print("| checksum | XXH3-64 throughput / zlib CRC-32 throughput |")
+    print("|---|---|")
+    print(f"| per 8 MiB value | {summary(ratios)}x |", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized")
@@ -382,6 +416,7 @@ def main(argv=None) -> None:
             args.total_mib,
             (args.repeats),
         )
+    checksum_table(min(total, 512), repeats)
     with redis_server() as server:
         read_table(server, sizes, total, args.count, args.batch, repeats)
         if not args.no_writes:
