@@ -16,7 +16,8 @@ from support.redis_server import redis_server  # noqa: E402
 
 from vllm_overlay.core.pool import codec  # noqa: E402
 from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
-from vllm_overlay.core.pool.pool import InPlace, KVPool, RespReader  # noqa: E402
+from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
+from vllm_overlay.core.pool.resp import InPlace, RespReader  # noqa: E402
 
 NS = b"n" * 16
 LAYOUT = codec.layout_tag("test")

@@ -356,7 +356,7 @@ def test_denied_writes_pause_long_and_reads_go_on():
         try:
             assert pool.submit_store([(b"k", b"v")]) == 1 and pool.drain()
             assert pool.state() == {"read": "open", "write": "denied"}
-            assert pool._gates["write"].until - time.monotonic() > 0.5  # long
+            assert pool._gates.gates["write"].until - time.monotonic() > 0.5  # long
             assert pool.count_hits([b"there"]) == 1
         finally:
             pool.close()

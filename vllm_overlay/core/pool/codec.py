@@ -23,10 +23,19 @@ can write a value with a valid checksum.  With a shared secret
 (``mac_key``) every value is signed, and a node refuses unsigned values and
 wrong MACs.  A node without a secret refuses signed values too: it cannot
 check them, and a fleet with mixed secrets is a configuration error worth
-noticing.  ``BadValue.delete`` says whether the value should be deleted:
-not for signature problems (with secrets being rotated, a value this node
-cannot verify may be good for another) nor for another layout (another
-node's value under the same key, not corruption).
+noticing.
+
+``BadValue.delete`` says whether the value should be deleted (so that the
+next honest store, a SET NX, can write the block again).  Corrupt values,
+values of another namespace or key, and wrong lengths: always.  Without a
+secret, a signed value or one of another layout is left in the pool (another
+node's value under the same key, not corruption).  With a secret, key names
+derive from it (``shared_pool.common.pool_key``): only nodes holding it
+write under this node's keys, so a value there that does not carry this
+secret's MAC (unsigned, wrongly signed) is forged or corrupt, and is deleted
+whatever else is wrong with it; one that does (another layout, or an XXH3
+checksum this node cannot compute) is a good value of a node with the same
+secret, and is left.
 """
 
 from __future__ import annotations
@@ -171,6 +180,16 @@ def check_header(
     _check_header(namespace_tag, key, head, value_length, expected_length, layout)
 
 
+def _signed_by(mac_key: bytes, head, payload) -> bool:
+    """Whether the value carries a valid MAC under ``mac_key``."""
+    head = memoryview(head).cast("B")
+    if head.nbytes < HEADER_BYTES or not _HEADER.unpack_from(head)[2] & SIGNED:
+        return False
+    return hmac.compare_digest(
+        bytes(head[_MAC_AT:HEADER_BYTES]), _mac(mac_key, head[:_MAC_AT], payload)
+    )
+
+
 def check(
     namespace_tag: bytes,
     key: bytes,
@@ -184,6 +203,25 @@ def check(
     and its payload, wherever each lies; raises BadValue.  XXH3, CRC-32 and
     BLAKE2b release the GIL on large buffers."""
     payload = memoryview(payload).cast("B")
+    try:
+        _check(namespace_tag, key, head, payload, expected_length, layout, mac_key)
+    except BadValue as exc:
+        # With a secret, only a value with this secret's MAC may stay (see
+        # the module docstring): anything else under our key is not honest.
+        if mac_key is not None and not exc.delete:
+            exc.delete = not _signed_by(mac_key, head, payload)
+        raise
+
+
+def _check(
+    namespace_tag: bytes,
+    key: bytes,
+    head,
+    payload: memoryview,
+    expected_length: int,
+    layout: bytes,
+    mac_key: bytes | None,
+) -> None:
     flags, checksum, mac = _check_header(
         namespace_tag,
         key,
@@ -199,16 +237,11 @@ def check(
         if not signed:
             raise BadValue(
                 "unsigned value (this node has a shared secret)",
-                delete=False,
                 signature=True,
             )
         expected = _mac(mac_key, memoryview(head)[:_MAC_AT], payload)
         if not hmac.compare_digest(mac, expected):
-            raise BadValue(
-                "bad signature (another secret, or forged)",
-                delete=False,
-                signature=True,
-            )
+            raise BadValue("bad signature (forged or corrupt)", signature=True)
     elif signed:
         raise BadValue(
             "signed value (this node has no shared secret)",

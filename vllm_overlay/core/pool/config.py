@@ -3,7 +3,10 @@
 The URL is parsed once, here, into ``PoolConfig.parsed``; clients are built
 from that object (never by re-parsing the URL).  A shared secret is read
 from ``secret_file`` or the environment variable named by ``secret_env``,
-never from the configuration itself.
+never from the configuration itself; two independent keys derive from it
+(keyed BLAKE2b, each with its own personalisation): ``mac_key`` signs the
+values, ``name_key`` derives the key names (so names reveal nothing to a
+reader without the secret).
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ def parse_url(url: str) -> ParsedURL:
 
 
 def _read_secret(secret_file: str | None, secret_env: str | None) -> bytes | None:
-    """The MAC key (64 bytes) derived from the shared secret, or None."""
+    """The shared secret (at least 16 bytes), or None."""
     if secret_file is not None and secret_env is not None:
         raise ValueError("secret_file and secret_env: give one, not both")
     if secret_file is not None:
@@ -197,7 +200,14 @@ def _read_secret(secret_file: str | None, secret_env: str | None) -> bytes | Non
             f"{where}: the shared secret must be at least 16 bytes "
             f"(got {len(secret)}); e.g. `openssl rand -hex 32`"
         )
-    return hashlib.blake2b(secret, person=b"vkv-pool-secret").digest()
+    return secret
+
+
+def _derive(secret: bytes | None, person: bytes, size: int) -> bytes | None:
+    """A key derived from the shared secret, one per use (``person``)."""
+    if secret is None:
+        return None
+    return hashlib.blake2b(secret, digest_size=size, person=person).digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +220,9 @@ class PoolConfig:
     # How long a request waits for a lookup before it computes without the
     # pool; a pool slower than this is paused (a background PING resumes it).
     lookup_wait_s: float = 0.25
+    # The longest one load or one store may take as a whole: a load past it
+    # fails (its blocks recompute), a thread busy past it pauses the pool.
+    io_timeout_s: float = 10.0
     max_inflight_bytes: int = 256 << 20
     # Bytes of values being loaded at once; None: max_inflight_bytes.
     max_inflight_load_bytes: int | None = None
@@ -220,7 +233,10 @@ class PoolConfig:
     secret_file: str | None = None  # file holding the shared secret
     secret_env: str | None = None  # environment variable holding it
     parsed: ParsedURL = dataclasses.field(init=False, repr=False, compare=False)
+    # Derived from the secret (None without one): the values' MAC key, and
+    # the key that derives key names (see shared_pool.common.pool_key).
     mac_key: bytes | None = dataclasses.field(init=False, repr=False, compare=False)
+    name_key: bytes | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -244,6 +260,7 @@ class PoolConfig:
             "connect_timeout_s",
             "timeout_s",
             "lookup_wait_s",
+            "io_timeout_s",
             "retry_backoff_s",
             "max_retry_backoff_s",
         ):
@@ -294,9 +311,9 @@ class PoolConfig:
                 raise ValueError(
                     f"tls_ca_file {self.tls_ca_file!r} is not a PEM CA bundle ({exc})"
                 ) from None
-        object.__setattr__(
-            self, "mac_key", _read_secret(self.secret_file, self.secret_env)
-        )
+        secret = _read_secret(self.secret_file, self.secret_env)
+        object.__setattr__(self, "mac_key", _derive(secret, b"vkv-pool-secret", 64))
+        object.__setattr__(self, "name_key", _derive(secret, b"vkv-pool-names", 32))
         if (
             self.parsed.option("ssl_cert_reqs") == "none"
             and self.url not in _warned_insecure
@@ -347,10 +364,14 @@ class PoolConfig:
         if p.tls:
             kwargs["ssl"] = True
             kwargs["ssl_cert_reqs"] = p.option("ssl_cert_reqs", "required")
-            if p.option("ssl_check_hostname") is not None:
-                kwargs["ssl_check_hostname"] = _BOOLS[
-                    p.option("ssl_check_hostname").lower()
-                ]
+            # Explicit: redis-py before 6.0 skips the host name check unless
+            # told to (6.0 turned it on by default).
+            check = p.option("ssl_check_hostname")
+            kwargs["ssl_check_hostname"] = (
+                _BOOLS[check.lower()]
+                if check is not None
+                else kwargs["ssl_cert_reqs"] != "none"
+            )
             if self.tls_ca_file:
                 kwargs["ssl_ca_certs"] = self.tls_ca_file
         return kwargs

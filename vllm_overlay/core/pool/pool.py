@@ -7,27 +7,26 @@ the network.
   round trip).  The caller polls ``ticket.done`` and gives up after
   ``lookup_wait_s`` (``abandon``), which marks the pool slow.
 * ``submit_store(items, encode, on_done)``: queue ``(key, payload)`` pairs;
-  the store thread encodes each payload (header, CRC, MAC) and writes it
-  (EXISTS, then SET NX, the header and the payload sent as two buffers:
+  the store thread encodes each payload (header, checksum, MAC) and writes
+  it (EXISTS, then SET NX, the header and the payload sent as two buffers:
   never joined).  Admitted in prefix order up to ``max_inflight_bytes``.
 * ``submit_load(job, keys, value_bytes, prepare, into, landed)`` /
   ``poll_loads()``: the load thread sends the GETs (one pipeline per
-  server) and reads each value straight into the buffers ``into`` gives
-  (``RespReader``: ``recv_into`` the caller's memory), calls ``landed`` on
-  each value as it lands (checks) and ``prepare`` on them all, so the
-  caller only consumes the result.  ``wait_for_loads`` lets an idle engine
-  sleep until a load is done.
-* The raw pipelines use redis-py's own connections (its connect, AUTH,
-  TLS, health checks and cluster slot map); lookups and deletes use
-  redis-py's pipeline.
-* Health (``errors.py`` lists the kinds): reads and writes each have a gate.
-  Unreachable or slow closes both; only the health thread reopens them,
-  after a back-off, when a PING answers (in time) - no request is ever used
-  as a probe.  Full or read-only closes writes; denied or a bad request
-  closes the direction it happened in; those reopen after their back-off.
-  A bad key (WRONGTYPE) loses its block only, and is deleted.
-  ``count_hits`` is a blocking convenience for tests and tools, never for
-  vLLM's threads.
+  server) and reads each value straight into the buffers ``into`` gives,
+  calls ``landed`` on each value as it lands (checks) and ``prepare`` on
+  them all, so the caller only consumes the result.  ``wait_for_loads``
+  lets an idle engine sleep until a load is done.
+
+Every job ends, and ends once: a load is done within ``io_timeout_s`` of
+its submission or fails (its reads stop at the deadline; the watchdog
+cancels one still running after it and hands its caller the failure), and
+an exception from a job fails that job only (its requests recompute; the
+thread goes on).  A thread busy with one job past its deadline is stuck:
+the pool pauses (lookups answer "miss" at once, loads fail at once) until
+it is free and a PING answers.  ``health.py`` holds the gates and that
+thread; ``transport.py`` the clients and raw pipelines; ``resp.py`` the
+reply reader.  ``count_hits`` is a blocking convenience for tests and
+tools, never for vLLM's threads.
 """
 
 from __future__ import annotations
@@ -38,22 +37,34 @@ import dataclasses
 import functools
 import logging
 import queue
-import socket
 import threading
 import time
 
 from vllm_overlay.core.pool.config import PoolConfig
-from vllm_overlay.core.pool.errors import Failure, PoolTooSlow, classify
+from vllm_overlay.core.pool.errors import Failure, PoolStuck, PoolTooSlow, classify
+from vllm_overlay.core.pool.health import READ, WRITE, Gates, Monitor, start_thread
+from vllm_overlay.core.pool.ratelog import RateLimitedLog
+from vllm_overlay.core.pool.resp import MAX_VALUE_BYTES, Guard, InPlace, command
+from vllm_overlay.core.pool.transport import (
+    Redirected,
+    Unreachable,
+    exchange,
+    first_failure,
+    make_client,
+)
 
 logger = logging.getLogger("vllm.overlay")
 
 _STOP = object()
-READ, WRITE = "read", "write"
 # Set by the load thread of every KVPool of this process when a load is
 # done; ``KVPool.wait_for_loads`` waits on it (the engine, while it has
 # nothing to run but requests waiting for their loads).
 _LOADS_DONE = threading.Event()
-_SMALL_CHUNK = 64 << 10  # command pieces shorter than this are sent joined
+MAX_QUEUED_LOOKUPS = 4096  # more waiting: answered "miss" at once
+MAX_QUEUED_DELETES = 65536  # keys; more: dropped (a later load refuses again)
+GRACE_S = 1.0  # past a job's deadline before the watchdog steps in
+
+__all__ = ["InPlace", "KVPool", "LookupTicket", "PoolStats", "make_client"]
 
 
 @dataclasses.dataclass
@@ -61,10 +72,11 @@ class PoolStats:
     lookups: int = 0
     hits: int = 0  # blocks found by lookups
     misses: int = 0  # blocks not found (first gap ends a lookup)
-    lookups_skipped: int = 0  # answered "miss" at once: reads paused
+    lookups_skipped: int = 0  # answered "miss" at once: reads paused, queue full
     lookup_timeouts: int = 0  # not answered within lookup_wait_s
     loaded_blocks: int = 0
     load_failures: int = 0  # missing or refused values on load
+    load_timeouts: int = 0  # loads cancelled past io_timeout_s
     stored_blocks: int = 0
     skipped_existing: int = 0
     dropped_stores: int = 0  # over the in-flight limit, or writes paused
@@ -74,8 +86,15 @@ class PoolStats:
     bytes_in: int = 0
     bytes_out: int = 0
     errors: int = 0
+    internal_errors: int = 0  # bugs: that job failed, nothing paused
+    stuck: int = 0  # times a pool thread was found stuck
     io_seconds_in: float = 0.0
     io_seconds_out: float = 0.0
+
+    def add(self, other: PoolStats) -> None:
+        for field in dataclasses.fields(PoolStats):
+            name = field.name
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -86,24 +105,6 @@ class PoolStats:
             self.bytes_out / self.io_seconds_out / 1e9 if self.io_seconds_out else 0.0
         )
         return out
-
-
-def make_client(config: PoolConfig, single_node: bool = False):
-    """A client built from the config's parsed URL (``single_node``: a plain
-    client even for a cluster, as the startup probe needs).  No client-side
-    retries: the pool pauses and probes by itself."""
-    import redis
-
-    kwargs = config.client_kwargs()
-    if config.cluster and not single_node:
-        from redis.backoff import NoBackoff
-        from redis.cluster import RedisCluster
-        from redis.retry import Retry
-
-        # One retry lets the client follow a failover (slots moved).
-        return RedisCluster(retry=Retry(NoBackoff(), 1), **kwargs)
-    kwargs.setdefault("db", 0)
-    return redis.Redis(retry=None, **kwargs)
 
 
 class LookupTicket:
@@ -131,13 +132,28 @@ class LookupTicket:
         return next((i for i, p in enumerate(self.present) if not p), len(self.keys))
 
 
-@dataclasses.dataclass
-class _Gate:
-    """Whether reads (or writes) go to the network now."""
+@dataclasses.dataclass(eq=False)
+class _Load:
+    job_id: object
+    keys: list[bytes]
+    n: int  # leading keys fetched
+    size: int  # bytes reserved under the in-flight load limit
+    prepare: object
+    into: object
+    landed: object
+    value_bytes: int
+    deadline: float
+    guard: Guard = dataclasses.field(default_factory=Guard)
+    delivered: bool = False
 
-    backoff: float
-    reason: Failure | None = None
-    until: float = 0.0
+
+@dataclasses.dataclass(eq=False)
+class _Store:
+    items: list
+    size: int
+    encode: object
+    on_done: object
+    released: bool = False
 
 
 class KVPool:
@@ -153,44 +169,49 @@ class KVPool:
         self.stats = PoolStats()  # since the last take_stats()
         self.totals = PoolStats()  # since start, up to the last take_stats()
         self._lock = threading.Lock()
-        self._gates = {
-            READ: _Gate(config.retry_backoff_s),
-            WRITE: _Gate(config.retry_backoff_s),
-        }
-        self._last_warning: dict[Failure, float] = {}
-        self._last_drop_warning = 0.0
+        self._gates = Gates(config.retry_backoff_s, config.max_retry_backoff_s)
+        self._log = RateLimitedLog(logger, 30.0)
         self.misconfigured: str | None = None  # set by probe(): pool disabled
         self.server_is_cluster: bool | None = None
         self._inflight = 0
         self._inflight_load = 0
         self._pending_loads = 0
+        self._queued_deletes = 0
+        self._loads: set[_Load] = set()  # submitted, not delivered
+        self._busy: dict[str, tuple[object, float]] = {}  # thread -> job, deadline
         self._loads_done: collections.deque = collections.deque()
         self._store_q: queue.Queue = queue.Queue()
         self._load_q: queue.Queue = queue.Queue()
-        self._lookup_q: queue.Queue = queue.Queue()
+        self._lookup_q: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_LOOKUPS)
         self._closed = threading.Event()
-        self._wake_health = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._lookup_thread: threading.Thread | None = None
+        self._threads: dict[str, threading.Thread] = {}
         self._lookups_ready = False  # the lookup thread has connected (or failed)
-        self._health_thread: threading.Thread | None = None
+        self._ping_client = None
+        self._monitor = Monitor(
+            self._gates,
+            ping=self._ping,
+            stuck=self._stuck,
+            watchdog=self._watchdog,
+            answer_s=config.lookup_wait_s,
+            log_error=functools.partial(self._internal, "health check"),
+            on_reopen=self._reopened,
+        )
         self._io = io_threads
+        self._start(self._monitor.run, "health")
         if io_threads:
-            self._start(self._run, self._store_q, self._store, "store")
-            self._start(self._run, self._load_q, self._load, "load")
+            self._start(self._run, "store", self._store_q, self._store)
+            self._start(self._run, "load", self._load_q, self._load)
         if lookups:
             self._start_lookups()
 
-    def _start(self, target, *args) -> threading.Thread:
-        thread = threading.Thread(
-            target=target,
-            args=args,
-            name=f"vllm-overlay-pool-{args[-1]}",
-            daemon=True,
+    def _start(self, target, what: str, *args) -> None:
+        self._threads[what] = start_thread(
+            target, f"vllm-overlay-pool-{what}", *args, *((what,) if args else ())
         )
-        thread.start()
-        self._threads.append(thread)
-        return thread
+
+    def threads_alive(self) -> dict[str, bool]:
+        """Pool thread -> alive (every one should be, until ``close``)."""
+        return {name: t.is_alive() for name, t in self._threads.items()}
 
     def _need_io_threads(self) -> None:
         if not self._io:
@@ -199,29 +220,32 @@ class KVPool:
                 "(io_threads=False): it cannot store or load"
             )
 
-    # -- health -----------------------------------------------------------
-    def _open(self, direction: str) -> bool:
-        if self.misconfigured is not None:
-            return False
-        gate = self._gates[direction]
-        if gate.reason is None:
-            return True
-        if gate.reason.whole_pool:  # only the health thread reopens it
-            return False
-        if time.monotonic() >= gate.until:
-            with self._lock:
-                if gate.reason is not None and not gate.reason.whole_pool:
-                    gate.reason = None
-            return True
-        return False
+    def check_value_size(self, value_bytes: int) -> None:
+        """Startup check (the worker knows its value size once the KV cache
+        is registered): every limit must hold at least one value, or nothing
+        would ever be stored or loaded."""
+        for name, limit in (
+            ("max_inflight_bytes", self.config.max_inflight_bytes),
+            ("max_inflight_load_bytes", self.config.load_limit_bytes),
+        ):
+            if limit < value_bytes:
+                raise ValueError(
+                    f"KV pool: {name} ({limit} B) is smaller than one value "
+                    f"({value_bytes} B: one block of every layer of this "
+                    f"worker, with its header); nothing could ever be "
+                    f"{'stored' if name == 'max_inflight_bytes' else 'loaded'}. "
+                    f"Set it to at least {value_bytes} (it is host memory "
+                    "allocated at startup)"
+                )
 
+    # -- health -----------------------------------------------------------
     def reads_open(self) -> bool:
         """Lookups and loads go to the network now."""
-        return self._open(READ)
+        return self.misconfigured is None and self._gates.is_open(READ)
 
     def writes_open(self) -> bool:
         """Stores go to the network now."""
-        return self._open(WRITE)
+        return self.misconfigured is None and self._gates.is_open(WRITE)
 
     def is_down(self) -> bool:
         return not self.reads_open()
@@ -232,10 +256,10 @@ class KVPool:
         for direction in (READ, WRITE):
             if self.misconfigured is not None:
                 out[direction] = "misconfigured"
-            elif self._open(direction):
+            elif self._gates.is_open(direction):
                 out[direction] = "open"
             else:
-                out[direction] = self._gates[direction].reason.value
+                out[direction] = self._gates.reason(direction).value
         return out
 
     def _failed(self, exc: BaseException, what: str, direction: str) -> Failure:
@@ -243,130 +267,108 @@ class KVPool:
         kind = classify(exc)
         with self._lock:
             self.stats.errors += 1
-            if kind is Failure.BAD_KEY:
-                self.stats.bad_keys += 1
-            if kind.whole_pool or (what == "connect" and kind.long_pause):
-                gates = [self._gates[READ], self._gates[WRITE]]
-            elif kind.writes_only:
-                gates = [self._gates[WRITE]]
-            elif kind is Failure.BAD_KEY:
-                gates = []
-            else:
-                gates = [self._gates[direction]]
-            now = time.monotonic()
-            pause = 0.0
-            for gate in gates:
-                if gate.reason is not None and now < gate.until:
-                    pause = max(pause, gate.until - now)
-                    if gate.reason.whole_pool or not kind.whole_pool:
-                        continue  # already paused for this (or worse)
-                if kind.long_pause:
-                    gate.backoff = self.config.max_retry_backoff_s
-                gate.reason, gate.until = kind, now + gate.backoff
-                pause = max(pause, gate.backoff)
-                gate.backoff = min(gate.backoff * 2, self.config.max_retry_backoff_s)
-            last = self._last_warning.get(kind, -1e9)
-            warn = now - last >= 30.0
-            if warn:
-                self._last_warning[kind] = now
+            self.stats.bad_keys += kind is Failure.BAD_KEY
+            self.stats.internal_errors += kind is Failure.INTERNAL
+            self.stats.stuck += kind is Failure.STUCK
+        if kind is Failure.INTERNAL:
+            self._internal(what, exc)
+            return kind
+        closed, pause = self._gates.close(kind, direction, what == "connect")
         if kind.whole_pool:
-            self._ensure_health_thread()
-            self._wake_health.set()
-        if warn:
-            paused = (
-                "reads and writes"
-                if len(gates) == 2
-                else "writes"
-                if kind.writes_only
-                else f"{direction}s"
-            )
-            log = logger.error if kind.long_pause else logger.warning
-            log(
-                "vllm-overlay KV pool %s: %s failed, %s (%s: %s); %s; requests "
-                "recompute instead. This message repeats at most every 30 s.",
-                self.config.redacted_url,
-                what,
-                kind.value,
-                type(exc).__name__,
-                self.config.redact(str(exc)),
-                f"{paused} paused for {pause:.1f}s"
-                + (" (until a PING answers)" if kind.whole_pool else "")
-                if gates
-                else "this key only",
-            )
+            self._monitor.wake.set()
+        paused = (
+            "reads and writes"
+            if len(closed) == 2
+            else "writes"
+            if kind.writes_only
+            else f"{direction}s"
+        )
+        self._log.log(
+            logging.ERROR if kind.long_pause else logging.WARNING,
+            kind,
+            "vllm-overlay KV pool %s: %s failed, %s (%s: %s); %s; requests "
+            "recompute instead",
+            self.config.redacted_url,
+            what,
+            kind.value,
+            type(exc).__name__,
+            self.config.redact(str(exc)),
+            f"{paused} paused for {pause:.1f}s"
+            + (" (until a PING answers)" if kind.whole_pool else "")
+            if closed
+            else "this key only",
+        )
         return kind
 
+    def _internal(self, what: str, exc: BaseException) -> None:
+        """A bug, not the server's doing: logged with its traceback; the
+        job it happened in failed (its requests recompute), nothing pauses."""
+        self._log.log(
+            logging.ERROR,
+            ("internal", what),
+            "vllm-overlay KV pool %s: %s failed with an internal error (%s: %s), "
+            "not the server's doing; that job's requests recompute, the pool "
+            "goes on",
+            self.config.redacted_url,
+            what,
+            type(exc).__name__,
+            self.config.redact(str(exc)),
+            exc_info=exc,
+        )
+
     def _ok(self, direction: str) -> None:
-        gate = self._gates[direction]
-        if gate.backoff != self.config.retry_backoff_s and gate.reason is None:
-            with self._lock:
-                gate.backoff = self.config.retry_backoff_s
+        self._gates.ok(direction)
 
-    def _ensure_health_thread(self) -> None:
+    def _ping(self) -> None:
+        """PING within the monitor: every node of a cluster answers."""
+        try:
+            if self._ping_client is None:
+                self._ping_client = make_client(self.config)
+            if self.config.cluster:
+                self._ping_client.ping(target_nodes=self._ping_client.ALL_NODES)
+            else:
+                self._ping_client.ping()
+        except Exception:
+            if self._ping_client is not None:
+                with contextlib.suppress(Exception):
+                    self._ping_client.close()
+                self._ping_client = None
+            raise
+
+    def _reopened(self, ping_ms: float) -> None:
+        logger.info(
+            "vllm-overlay KV pool %s answers again (PING %.1f ms): "
+            "lookups, loads and stores resume",
+            self.config.redacted_url,
+            ping_ms,
+        )
+
+    def _stuck(self) -> str | None:
+        """A pool thread busy with one job past its deadline, or None."""
+        now = time.monotonic()
         with self._lock:
-            if self._health_thread is not None or self._closed.is_set():
-                return
-            self._health_thread = self._start(self._health_loop, "health")
+            busy = list(self._busy.items())
+        return next((what for what, (_, end) in busy if now > end + GRACE_S), None)
 
-    def _health_loop(self, _name: str) -> None:
-        """Reopen the gates an unreachable or slow pool closed: after the
-        back-off, PING (every node of a cluster); an answer within
-        ``lookup_wait_s`` reopens, anything else doubles the back-off."""
-        client = None
-        while not self._closed.is_set():
-            self._wake_health.wait(timeout=1.0)
-            self._wake_health.clear()
-            while not self._closed.is_set():
+    def _watchdog(self) -> None:
+        """Loads past their deadline (a stuck thread, or queued behind one)
+        are cancelled and handed to their caller as failed; a stuck thread
+        pauses the pool."""
+        now = time.monotonic()
+        with self._lock:
+            late = [job for job in self._loads if now > job.deadline + GRACE_S]
+        for job in late:
+            if job.guard.cancel(timeout_s=0.05):
                 with self._lock:
-                    closed = [
-                        g
-                        for g in self._gates.values()
-                        if g.reason is not None and g.reason.whole_pool
-                    ]
-                    until = max((g.until for g in closed), default=None)
-                if until is None:
-                    break
-                if self._closed.wait(max(0.0, until - time.monotonic())):
-                    return
-                start = time.monotonic()
-                try:
-                    if client is None:
-                        client = make_client(self.config)
-                    if self.config.cluster:  # every node answers
-                        client.ping(target_nodes=client.ALL_NODES)
-                    else:
-                        client.ping()
-                    latency = time.monotonic() - start
-                    if latency > self.config.lookup_wait_s:
-                        raise PoolTooSlow(
-                            f"PING answered in {latency * 1e3:.0f} ms, more than "
-                            f"lookup_wait_s ({self.config.lookup_wait_s * 1e3:.0f} ms)"
-                        )
-                except Exception as exc:  # noqa: BLE001 - any failure: stay closed
-                    if client is not None:
-                        with contextlib.suppress(Exception):
-                            client.close()
-                        client = None
-                    kind = classify(exc)
-                    with self._lock:
-                        for gate in closed:
-                            gate.reason = kind if kind.whole_pool else gate.reason
-                            gate.until = time.monotonic() + gate.backoff
-                            gate.backoff = min(
-                                gate.backoff * 2, self.config.max_retry_backoff_s
-                            )
-                    continue
-                with self._lock:
-                    for gate in closed:
-                        gate.reason = None
-                logger.info(
-                    "vllm-overlay KV pool %s answers again (PING %.1f ms): "
-                    "lookups, loads and stores resume",
-                    self.config.redacted_url,
-                    (time.monotonic() - start) * 1e3,
-                )
-        if client is not None:
-            client.close()
+                    self.stats.load_timeouts += 1
+                self._deliver(job, [None] * len(job.keys))
+        who = self._stuck()
+        if who is not None and self._gates.reason(READ) is not Failure.STUCK:
+            self._failed(
+                PoolStuck(f"the {who} thread is busy with one job past its deadline"),
+                who,
+                READ,
+            )
 
     def probe(self) -> threading.Thread:
         """Check once, in the background, that the pool answers and that it
@@ -393,8 +395,7 @@ class KVPool:
                     type(exc).__name__,
                     self.config.redact(str(exc)),
                 )
-                with self._lock:  # the warning above says it all
-                    self._last_warning[classify(exc)] = time.monotonic()
+                self._log.mark(classify(exc))  # the warning above says it all
                 self._failed(exc, "startup check", READ)
                 return
             self.server_is_cluster = bool(int(info.get("cluster_enabled", 0)))
@@ -413,35 +414,40 @@ class KVPool:
                     self.misconfigured,
                 )
 
-        thread = threading.Thread(
-            target=run, name="vllm-overlay-pool-probe", daemon=True
-        )
-        thread.start()
-        return thread
+        return start_thread(run, "vllm-overlay-pool-probe")
 
     # -- lookups ------------------------------------------------------------
     def submit_lookup(self, keys: list[bytes]) -> LookupTicket:
         """Start a lookup; the ticket is done at once (a miss) when reads
-        are paused.  Never blocks."""
+        are paused or too many lookups wait.  Never blocks."""
         ticket = LookupTicket(keys)
         if not keys:
             ticket._finish([])
-        elif not self.reads_open():
-            with self._lock:
-                self.stats.lookups_skipped += 1
-            ticket._finish(None)
-        else:
-            if self._lookup_thread is None:
+            return ticket
+        if self.reads_open():
+            if "lookup" not in self._threads:
                 self._start_lookups()
-            self._lookup_q.put(ticket)
+            try:
+                self._lookup_q.put_nowait(ticket)
+                return ticket
+            except queue.Full:
+                self._log.log(
+                    logging.WARNING,
+                    "lookup queue",
+                    "vllm-overlay KV pool %s: %d lookups already wait; new ones "
+                    "are answered as misses",
+                    self.config.redacted_url,
+                    MAX_QUEUED_LOOKUPS,
+                )
+        with self._lock:
+            self.stats.lookups_skipped += 1
+        ticket._finish(None)
         return ticket
 
     def _start_lookups(self) -> None:
         with self._lock:
-            if self._lookup_thread is None:
-                self._lookup_thread = self._start(
-                    self._run, self._lookup_q, self._lookup, "lookup"
-                )
+            if "lookup" not in self._threads:
+                self._start(self._run, "lookup", self._lookup_q, self._lookup)
 
     def lookup_wait_s(self) -> float:
         """How long a caller waits for a lookup: ``lookup_wait_s``, or,
@@ -497,9 +503,10 @@ class KVPool:
         stop = _STOP in batch
         live = [t for t in batch if t is not _STOP and not t.abandoned]
         try:
-            if live:
-                if not self.reads_open():
-                    raise _Skipped()
+            if live and not self.reads_open():
+                with self._lock:
+                    self.stats.lookups_skipped += len(live)
+            elif live:
                 pipe = client.pipeline(transaction=False)
                 for ticket in live:
                     for key in ticket.keys:
@@ -518,17 +525,14 @@ class KVPool:
                         self.stats.hits += hits
                         self.stats.misses += len(present) - hits
                     ticket._finish(present)
-        except _Skipped:
-            with self._lock:
-                self.stats.lookups_skipped += len(live)
         except Exception as exc:  # noqa: BLE001 - any failure is a miss
             self._failed(exc, "lookup", READ)
         finally:
             for ticket in batch:
                 if ticket is not _STOP and not ticket.done:
                     ticket._finish(None)
-        if stop:
-            self._lookup_q.put(_STOP)
+            if stop:
+                self._lookup_q.put(_STOP)
 
     # -- stores -------------------------------------------------------------
     def store_room(self, value_bytes: int) -> int:
@@ -579,21 +583,17 @@ class KVPool:
                 "store", admitted, dropped, self.config.max_inflight_bytes
             )
         if admitted:
-            self._store_q.put((items[:admitted], size, encode, on_done))
+            self._store_q.put(_Store(items[:admitted], size, encode, on_done))
         elif on_done is not None:
             on_done()
         return admitted
 
     def _warn_dropped(self, what: str, kept: int, dropped: int, limit: int) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_drop_warning < 30.0:
-                return
-            self._last_drop_warning = now
-        logger.warning(
+        self._log.log(
+            logging.WARNING,
+            "dropped",
             "vllm-overlay KV pool %s: %s of %d block(s): %d admitted, %d dropped "
-            "(over the in-flight limit of %d B%s); this warning repeats at "
-            "most every 30 s, stats count every block",
+            "(over the in-flight limit of %d B%s); stats count every block",
             self.config.redacted_url,
             what,
             kept + dropped,
@@ -604,40 +604,61 @@ class KVPool:
         )
 
     def submit_delete(self, keys: list[bytes]) -> None:
-        """Remove values that failed their check (background)."""
+        """Remove values that failed their check (background; bounded: past
+        ``MAX_QUEUED_DELETES`` queued keys, a later load refuses again)."""
         self._need_io_threads()
+        with self._lock:
+            if self._queued_deletes + len(keys) > MAX_QUEUED_DELETES:
+                return
+            self._queued_deletes += len(keys)
         self._store_q.put(("delete", keys))
 
-    def _store(self, client, job) -> None:
-        if job[0] == "delete":
-            if not self.writes_open():
-                return  # a later load refuses the value again
+    def _release_store(self, job: _Store) -> None:
+        """Once per store job: its bytes leave the limit, ``on_done`` runs."""
+        with self._lock:
+            if job.released:
+                return
+            job.released = True
+            self._inflight -= job.size
+        if job.on_done is not None:
             try:
-                pipe = client.pipeline(transaction=False)
-                for key in job[1]:
-                    pipe.delete(key)
-                pipe.execute()
-            except Exception as exc:  # noqa: BLE001
-                self._failed(exc, "delete", WRITE)
+                job.on_done()
+            except Exception as exc:  # noqa: BLE001 - a bug: logged, go on
+                self._internal("store callback", exc)
+
+    def _delete(self, client, keys: list[bytes]) -> None:
+        with self._lock:
+            self._queued_deletes -= len(keys)
+        if not self.writes_open():
+            return  # a later load refuses the value again
+        try:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(key)
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "delete", WRITE)
+
+    def _store(self, client, job) -> None:
+        if isinstance(job, tuple):
+            self._delete(client, job[1])
             return
-        items, size, encode, on_done = job
+        items, encode = job.items, job.encode
         stored = 0
         try:
             if not self.writes_open():
-                raise _Skipped()
+                with self._lock:
+                    self.stats.dropped_stores += len(items)
+                return
             start = time.perf_counter()
-            present = self._exchange(
-                client, [(key, [_command(b"EXISTS", key)], None) for key, _ in items]
+            deadline = time.monotonic() + self.config.io_timeout_s
+            present = exchange(
+                client,
+                self.config.cluster,
+                [(key, [command(b"EXISTS", key)], None) for key, _ in items],
+                deadline=deadline,
             )
-            failure = next(
-                (
-                    a
-                    for a in present
-                    if isinstance(a, Exception) and not isinstance(a, _Redirected)
-                ),
-                None,
-            )
-            if failure is not None:
+            if (failure := first_failure(present)) is not None:
                 raise failure
             todo = [(k, v) for (k, v), p in zip(items, present) if not p]
             values = []
@@ -645,22 +666,16 @@ class KVPool:
                 value = encode(key, payload) if encode else payload
                 parts = list(value) if isinstance(value, (tuple, list)) else [value]
                 values.append((key, parts, sum(memoryview(p).nbytes for p in parts)))
-            answers = self._exchange(
+            answers = exchange(
                 client,
+                self.config.cluster,
                 [
                     (key, self._set_command(key, parts, n), None)
                     for key, parts, n in values
                 ],
+                deadline=deadline,
             )
             elapsed = time.perf_counter() - start
-            failure = next(
-                (
-                    a
-                    for a in answers
-                    if isinstance(a, Exception) and not isinstance(a, _Redirected)
-                ),
-                None,
-            )
             stored = sum(1 for a in answers if not isinstance(a, Exception))
             with self._lock:
                 self.stats.stored_blocks += stored
@@ -672,25 +687,17 @@ class KVPool:
                     if not isinstance(a, Exception)
                 )
                 self.stats.io_seconds_out += elapsed
-            if failure is not None:
+            stored = len(items)  # every item is accounted for now
+            if (failure := first_failure(answers)) is not None:
                 self._failed(failure, "store", WRITE)
             else:
                 self._ok(WRITE)
-        except _Skipped:
-            with self._lock:
-                self.stats.dropped_stores += len(items)
         except Exception as exc:  # noqa: BLE001
             with self._lock:
                 self.stats.dropped_stores += len(items) - stored
             self._failed(exc, "store", WRITE)
         finally:
-            with self._lock:
-                self._inflight -= size
-            if on_done is not None:
-                try:
-                    on_done()
-                except Exception:  # noqa: BLE001 - a bug: logged, the thread goes on
-                    logger.exception("vllm-overlay KV pool: a store callback failed")
+            self._release_store(job)
 
     def _set_command(self, key: bytes, parts: list, length: int) -> list:
         """SET key value NX [EX ttl], the value sent as ``parts`` (no copy)."""
@@ -705,83 +712,6 @@ class KVPool:
         if ttl:
             tail += b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(b"%d" % ttl), ttl)
         return [head, *parts, tail]
-
-    # -- raw pipelines ----------------------------------------------------------
-    def _groups(self, client, keys: list[bytes]) -> list[tuple[object, list[int]]]:
-        """(connection pool, indexes of ``keys``) per server."""
-        if isinstance(client, _Unreachable):
-            import redis
-
-            raise redis.ConnectionError("pool unreachable (no client)")
-        if not self.config.cluster:
-            return [(client.connection_pool, list(range(len(keys))))]
-        nodes: dict[str, tuple[object, list[int]]] = {}
-        for i, key in enumerate(keys):
-            node = client.get_node_from_key(key)
-            nodes.setdefault(node.name, (node, []))[1].append(i)
-        return [
-            (client.get_redis_connection(node).connection_pool, idxs)
-            for node, idxs in nodes.values()
-        ]
-
-    def _exchange(self, client, requests: list, retry: bool = True) -> list:
-        """Send ``requests`` (key, command pieces, ``into`` or None[, a
-        callback for the reply]) as one pipeline per server and read every
-        reply (``RespReader.reply``; the callback, if any, gets each reply
-        that is not an error as soon as it is read):
-        error replies come back as exception instances, in place.  A
-        cluster's MOVED updates the client's slot map and is tried once
-        more; a redirect left after that is a ``_Redirected``.  A socket
-        failure or a protocol error raises (the connection is dropped)."""
-        import redis
-
-        replies: list = [None] * len(requests)
-        taken = []
-        try:
-            for pool, idxs in self._groups(client, [r[0] for r in requests]):
-                conn = pool.get_connection()
-                taken.append((pool, conn, idxs))
-                conn.send_packed_command(
-                    _coalesce(piece for i in idxs for piece in requests[i][1])
-                )
-            for _, conn, idxs in taken:
-                reader = RespReader(conn._sock)
-                for i in idxs:
-                    replies[i] = reply = reader.reply(requests[i][2])
-                    if len(requests[i]) > 3 and not isinstance(reply, Exception):
-                        requests[i][3](reply)  # e.g. check it while more arrive
-                if reader.buffered:
-                    raise redis.InvalidResponse("more bytes than replies")
-        except BaseException as exc:
-            for _, conn, _ in taken:
-                conn.disconnect()
-            if isinstance(exc, socket.timeout):
-                raise redis.TimeoutError("Timeout reading from the pool") from exc
-            if isinstance(exc, OSError):
-                raise redis.ConnectionError(f"reading from the pool: {exc}") from exc
-            raise
-        finally:
-            for pool, conn, _ in taken:
-                pool.release(conn)
-        moved = [
-            i
-            for i, r in enumerate(replies)
-            if isinstance(r, redis.ResponseError)
-            and str(r).startswith(("MOVED ", "ASK "))
-        ]
-        if moved:
-            for i in moved:
-                text = str(replies[i])
-                if retry and text.startswith("MOVED "):
-                    client.nodes_manager.move_slot(
-                        redis.exceptions.MovedError(text[6:])
-                    )
-                replies[i] = _Redirected(text)
-            if retry:
-                again = self._exchange(client, [requests[i] for i in moved], False)
-                for i, reply in zip(moved, again):
-                    replies[i] = reply
-        return replies
 
     # -- loads ----------------------------------------------------------------
     def submit_load(
@@ -798,16 +728,18 @@ class KVPool:
         of one value), only the leading keys that fit under the in-flight
         load limit (and ``max_keys``) are fetched; the others come back as
         None, so the caller reports them as load errors and vLLM recomputes
-        them.  ``into(i, length)`` may give the buffers (a list of writable
+        them.  While reads are paused none is fetched (the job is done at
+        once).  ``into(i, length)`` may give the buffers (a list of writable
         memoryviews of ``length`` bytes in all) that value ``i`` is read
         into, straight from the socket: it then comes back as an
-        ``InPlace``; otherwise (or when ``into`` answers None) as bytes.
-        ``landed(i, value)`` runs on the load thread as soon as value ``i``
-        is read, before the next one is parsed (checking it there overlaps
-        the check with the server sending the next values).  ``prepare``
-        (values -> anything) runs on the load thread once all are read;
-        ``poll_loads`` then returns its result instead of the values.
-        Returns the number of keys fetched."""
+        ``InPlace``; otherwise (or when ``into`` answers None) as bytes (at
+        most ``value_bytes`` of them: a longer value comes back as an
+        ``Oversized``).  ``landed(i, value)`` runs on the load thread as
+        soon as value ``i`` is read, before the next one is parsed.
+        ``prepare`` (values -> anything) runs once all are read (or the job
+        failed); ``poll_loads`` then returns its result instead of the
+        values.  The job is done within ``io_timeout_s`` (plus a second)
+        whatever the server does.  Returns the number of keys fetched."""
         self._need_io_threads()
         limit = self.config.load_limit_bytes
         with self._lock:
@@ -815,13 +747,31 @@ class KVPool:
             if value_bytes:
                 room = max(0, limit - self._inflight_load)
                 n = min(n, room // value_bytes)
+            limited = len(keys) - n
+            if not self.reads_open():
+                n = 0
             size = n * value_bytes
             self._inflight_load += size
-            self.stats.limited_loads += len(keys) - n
+            self.stats.limited_loads += limited
             self._pending_loads += 1
-        if n < len(keys):
-            self._warn_dropped("load", n, len(keys) - n, limit)
-        self._load_q.put((job_id, keys, n, size, prepare, into, landed))
+            job = _Load(
+                job_id,
+                keys,
+                n,
+                size,
+                prepare,
+                into,
+                landed,
+                value_bytes,
+                time.monotonic() + self.config.io_timeout_s,
+            )
+            self._loads.add(job)
+        if limited and n:
+            self._warn_dropped("load", n, limited, limit)
+        if n:
+            self._load_q.put(job)
+        else:  # nothing to fetch: done now (prepare sees no values)
+            self._deliver(job, [None] * len(keys))
         return n
 
     def poll_loads(self) -> list[tuple[object, object]]:
@@ -839,58 +789,70 @@ class KVPool:
             return True
         return False
 
-    def _load(self, client, job) -> None:
-        job_id, keys, n, size, prepare, into, landed = job
+    def _deliver(self, job: _Load, values: list) -> None:
+        """Hand a load's result to its caller, once (the load thread, or the
+        watchdog for a load past its deadline, whichever is first)."""
+        with self._lock:
+            if job.delivered:
+                return
+            job.delivered = True
+            self._loads.discard(job)
+            self._pending_loads -= 1
+            self._inflight_load -= job.size
+        result = values
+        if job.prepare is not None:
+            try:
+                result = job.prepare(values)
+            except Exception as exc:  # noqa: BLE001 - a bug: the caller sees None
+                self._internal("preparing a load", exc)
+                result = None
+        self._loads_done.append((job.job_id, result))
+        _LOADS_DONE.set()
+
+    def _load(self, client, job: _Load) -> None:
+        keys, n, into, landed = job.keys, job.n, job.into, job.landed
         values: list = [None] * len(keys)
         try:
-            if n and not self.reads_open():
-                raise _Skipped()
+            if not self.reads_open() or job.guard.cancelled:
+                return
             start = time.perf_counter()
-            if n:
-                answers = self._exchange(
-                    client,
-                    [
-                        (
-                            key,
-                            [_command(b"GET", key)],
-                            None if into is None else functools.partial(into, i),
-                        )
-                        + (() if landed is None else (functools.partial(landed, i),))
-                        for i, key in enumerate(keys[:n])
-                    ],
-                )
-                bad_keys = []
-                for i, answer in enumerate(answers):
-                    if isinstance(answer, _Redirected):
-                        continue  # a cluster moving slots: a miss, no pause
-                    if isinstance(answer, Exception):
-                        if self._failed(answer, "load", READ) is Failure.BAD_KEY:
-                            bad_keys.append(keys[i])
-                    elif isinstance(answer, (bytes, InPlace)):
-                        values[i] = answer
-                if bad_keys:
-                    self.submit_delete(bad_keys)
+            answers = exchange(
+                client,
+                self.config.cluster,
+                [
+                    (
+                        key,
+                        [command(b"GET", key)],
+                        None if into is None else functools.partial(into, i),
+                    )
+                    + (() if landed is None else (functools.partial(landed, i),))
+                    for i, key in enumerate(keys[:n])
+                ],
+                deadline=job.deadline,
+                guard=job.guard,
+                max_bulk_bytes=job.value_bytes or MAX_VALUE_BYTES,
+            )
+            bad_keys = []
+            for i, answer in enumerate(answers):
+                if isinstance(answer, Redirected):
+                    continue  # a cluster moving slots: a miss, no pause
+                if isinstance(answer, Exception):
+                    if self._failed(answer, "load", READ) is Failure.BAD_KEY:
+                        bad_keys.append(keys[i])
+                elif answer is not None:
+                    values[i] = answer
+            if bad_keys:
+                self.submit_delete(bad_keys)
             with self._lock:
                 self.stats.bytes_in += sum(len(v) for v in values if v is not None)
                 self.stats.io_seconds_in += time.perf_counter() - start
             self._ok(READ)
-        except _Skipped:
-            pass
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - this job fails, nothing else
             values = [None] * len(keys)
-            self._failed(exc, "load", READ)
-        result = values
-        if prepare is not None:
-            try:
-                result = prepare(values)
-            except Exception:  # noqa: BLE001 - a bug: the caller sees None
-                logger.exception("vllm-overlay KV pool: preparing a load failed")
-                result = None
-        with self._lock:
-            self._pending_loads -= 1
-            self._inflight_load -= size
-        self._loads_done.append((job_id, result))
-        _LOADS_DONE.set()
+            if not job.guard.cancelled:  # (cancelled: the watchdog said so)
+                self._failed(exc, "load", READ)
+        finally:
+            self._deliver(job, values)
 
     def record_load(self, loaded: int, failed: int, bad_signatures: int = 0) -> None:
         with self._lock:
@@ -899,7 +861,17 @@ class KVPool:
             self.stats.bad_signatures += bad_signatures
 
     # -- threads ----------------------------------------------------------------
+    def _job_deadline(self, what: str, job) -> float:
+        if isinstance(job, _Load):
+            return job.deadline
+        now = time.monotonic()
+        if what == "lookup":
+            return now + self.config.lookup_wait_s + self.config.timeout_s
+        return now + self.config.io_timeout_s + self.config.timeout_s
+
     def _run(self, jobs: queue.Queue, handle, what: str) -> None:
+        """A pool thread: never dies of a job (an exception fails that job
+        only: ``handle`` ends every job it is given, even by raising)."""
         client = None
         direction = WRITE if what == "store" else READ
         # Connect, and run one pipeline (redis-py imports lazily on first
@@ -916,16 +888,27 @@ class KVPool:
         while True:
             job = jobs.get()
             if job is _STOP:
-                return
-            if client is None and (
-                self.reads_open() if direction == READ else self.writes_open()
-            ):
-                try:
-                    client = make_client(self.config)
-                except Exception as exc:  # noqa: BLE001
-                    self._failed(exc, "connect", direction)
-            # Without a client the handler sees the gate closed or fails.
-            handle(client if client is not None else _Unreachable(), job)
+                break
+            with self._lock:
+                self._busy[what] = (job, self._job_deadline(what, job))
+            try:
+                if client is None and (
+                    self.reads_open() if direction == READ else self.writes_open()
+                ):
+                    try:
+                        client = make_client(self.config)
+                    except Exception as exc:  # noqa: BLE001
+                        self._failed(exc, "connect", direction)
+                # Without a client the handler sees the gate closed or fails.
+                handle(client if client is not None else Unreachable(), job)
+            except Exception as exc:  # noqa: BLE001 - a handler's own bug
+                self._internal(what, exc)
+            finally:
+                with self._lock:
+                    self._busy.pop(what, None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until queued stores and loads are done (tests, shutdown)."""
@@ -943,205 +926,26 @@ class KVPool:
 
     def close(self) -> None:
         self._closed.set()
-        self._wake_health.set()
+        self._monitor.closed.set()
+        self._monitor.wake.set()
         for q in (self._store_q, self._load_q, self._lookup_q):
-            q.put(_STOP)
-        for thread in self._threads:
+            with contextlib.suppress(queue.Full):
+                q.put_nowait(_STOP)
+        for thread in self._threads.values():
             thread.join(timeout=5)
 
     def take_stats(self) -> PoolStats:
+        """The stats since the last call (vLLM's metrics report these)."""
         with self._lock:
             stats, self.stats = self.stats, PoolStats()
-            for field in dataclasses.fields(PoolStats):
-                setattr(
-                    self.totals,
-                    field.name,
-                    getattr(self.totals, field.name) + getattr(stats, field.name),
-                )
+            self.totals.add(stats)
         return stats
 
     def cumulative(self) -> dict:
-        """Totals since start, including the current interval."""
-        self.take_stats()
-        return self.totals.as_dict()
-
-
-class _Skipped(Exception):
-    pass
-
-
-class _Redirected(Exception):
-    """A cluster redirect (MOVED/ASK) still there after one retry: the slot
-    is moving; that block is a miss (or a dropped store), nothing pauses."""
-
-
-class InPlace:
-    """A value read straight into the buffers ``submit_load``'s ``into``
-    gave for it; ``len()`` is its length."""
-
-    __slots__ = ("length",)
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __repr__(self) -> str:
-        return f"InPlace({self.length})"
-
-
-def _command(name: bytes, key: bytes) -> bytes:
-    return b"*2\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(name), name, len(key), key)
-
-
-def _coalesce(pieces) -> list:
-    """Command pieces to send: runs of short ``bytes`` joined (fewer
-    sends), anything else (a payload) passed on as it is (no copy)."""
-    out: list = []
-    small: list[bytes] = []
-    for piece in pieces:
-        if isinstance(piece, bytes) and len(piece) < _SMALL_CHUNK:
-            small.append(piece)
-            continue
-        if small:
-            out.append(b"".join(small))
-            small = []
-        out.append(piece)
-    if small:
-        out.append(b"".join(small))
-    return out
-
-
-class RespReader:
-    """Replies (RESP2, and RESP3's null) read from a socket.  Reply lines go
-    through a small buffer; a bulk string that the caller has memory for is
-    read straight into it with ``recv_into`` (its bytes are never copied in
-    Python: only what the line buffer already holds is moved over, at most
-    ``buffer_bytes`` per reply).  The socket's own timeout bounds each
-    read."""
-
-    # Measured (bench_pool, 256 KiB values): 1 KiB reads put the pool at
-    # 0.94x the raw reader, 4 KiB at 0.83x, 64 KiB at 0.73x.
-    fill_bytes = 1024
-
-    def __init__(self, sock, buffer_bytes: int = 64 << 10) -> None:
-        self.sock = sock
-        self._buf = bytearray(buffer_bytes)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received but not consumed by a reply yet."""
-        return self._end - self._start
-
-    def _recv(self, view, nbytes: int) -> int:
-        got = self.sock.recv_into(view, nbytes)
-        if not got:
-            import redis
-
-            raise redis.ConnectionError("connection closed by the pool server")
-        return got
-
-    def _fill(self) -> None:
-        """Receive more into the line buffer (compacted, or grown for a
-        line longer than it, up to 16 MiB)."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._end == len(self._buf):
-            kept = bytes(self._view[self._start : self._end])
-            if self._start == 0:
-                if len(self._buf) >= 16 << 20:
-                    import redis
-
-                    raise redis.InvalidResponse("reply line longer than 16 MiB")
-                self._view.release()
-                self._buf = bytearray(2 * len(self._buf))
-                self._view = memoryview(self._buf)
-            self._buf[: len(kept)] = kept
-            self._start, self._end = 0, len(kept)
-        # A short read: a reply line and the first bytes after it, so little
-        # of a value passes through this buffer (the rest goes straight to
-        # the caller's memory).
-        room = min(len(self._buf) - self._end, self.fill_bytes)
-        self._end += self._recv(self._view[self._end :], room)
-
-    def line(self) -> bytes:
-        while True:
-            at = self._buf.find(b"\r\n", self._start, self._end)
-            if at >= 0:
-                out = bytes(self._view[self._start : at])
-                self._start = at + 2
-                return out
-            self._fill()
-
-    def read_into(self, dest) -> None:
-        """Fill ``dest`` (a writable buffer): what is buffered, then the
-        rest straight from the socket."""
-        dest = memoryview(dest).cast("B")
-        want = dest.nbytes
-        got = min(want, self._end - self._start)
-        if got:
-            dest[:got] = self._view[self._start : self._start + got]
-            self._start += got
-        while got < want:
-            got += self._recv(dest[got:], want - got)
-
-    def _crlf(self) -> None:
-        while self._end - self._start < 2:
-            self._fill()
-        if self._buf[self._start : self._start + 2] != b"\r\n":
-            import redis
-
-            raise redis.InvalidResponse("bulk string not followed by CRLF")
-        self._start += 2
-
-    def reply(self, into=None):
-        """The next reply: bytes (simple or bulk string), int, None (nil),
-        a list, an exception instance for an error reply (returned, not
-        raised), or ``InPlace(length)`` for a bulk string read into the
-        buffers ``into(length)`` gave (None: read as bytes)."""
-        import redis
-
-        line = self.line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"$":
-            length = int(rest)
-            if length < 0:
-                return None
-            views = into(length) if into is not None else None
-            if views is None:
-                out = bytearray(length)
-                self.read_into(out)
-                self._crlf()
-                return bytes(out)
-            views = [memoryview(v).cast("B") for v in views]
-            if sum(v.nbytes for v in views) != length:
-                raise ValueError(f"buffers for {length} B do not add up to it")
-            for view in views:
-                self.read_into(view)
-            self._crlf()
-            return InPlace(length)
-        if kind == b"+":
-            return rest
-        if kind == b":":
-            return int(rest)
-        if kind == b"-":
-            return redis.ResponseError(rest.decode(errors="replace"))
-        if kind == b"_":
-            return None
-        if kind == b"*":
-            count = int(rest)
-            return None if count < 0 else [self.reply() for _ in range(count)]
-        raise redis.InvalidResponse(f"unexpected reply {line[:32]!r}")
-
-
-class _Unreachable:
-    """Stands in for a client that could not be created."""
-
-    def pipeline(self, *args, **kwargs):
-        import redis
-
-        raise redis.ConnectionError("pool unreachable (no client)")
+        """Totals since start, including the current interval (leaves the
+        interval to ``take_stats``)."""
+        with self._lock:
+            total = PoolStats()
+            total.add(self.totals)
+            total.add(self.stats)
+        return total.as_dict()
