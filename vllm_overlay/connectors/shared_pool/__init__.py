@@ -60,6 +60,7 @@ from vllm_overlay.connectors.shared_pool.common import (
 from vllm_overlay.connectors.shared_pool.scheduler import SharedPoolScheduler
 from vllm_overlay.connectors.shared_pool.worker import SharedPoolWorker
 from vllm_overlay.core.pool.config import PoolConfig
+from vllm_overlay.core.pool.errors import require_dependencies
 from vllm_overlay.core.pool.pool import KVPool
 
 logger = logging.getLogger("vllm.overlay")
@@ -72,6 +73,7 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         self, vllm_config, role: KVConnectorRole, kv_cache_config=None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        require_dependencies()  # one clear error now, not a dead thread later
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = PoolConfig.from_dict(extra)
         self.ns = namespace_tag(vllm_config, self.config.namespace)
@@ -174,7 +176,8 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
     # Both
     # ==============================
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return take_stats(self.pool)
+        worker = self.connector_worker
+        return take_stats(self.pool, worker.take_refused() if worker else None)
 
     @classmethod
     def build_kv_connector_stats(

@@ -4,6 +4,7 @@ the keys, the metadata the scheduler hands the workers, and the stats."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -98,8 +99,36 @@ def table_layout_tag(kind: str, table, extra: str = "") -> bytes:
     )
 
 
-def pool_key(ns: bytes, chain_hash: bytes, rank: int) -> bytes:
-    return b"vkv:%s:r%d:%s" % (ns.hex().encode(), rank, chain_hash.hex().encode())
+def pool_key(
+    ns: bytes, chain_hash: bytes, rank: int, name_key: bytes | None = None
+) -> bytes:
+    """``vkv:<namespace>:r<rank>:<block>``.  Without a secret the parts are
+    the namespace tag and the chain hash themselves, so anyone who knows the
+    model config can compute the key of a prompt.  With one (``name_key``,
+    ``PoolConfig.name_key``) both are keyed BLAKE2b hashes (the block part of
+    the namespace, rank and chain hash): without the secret the key names
+    reveal nothing and cannot be computed from a prompt, and a node with
+    another secret uses other keys."""
+    if name_key is None:
+        return b"vkv:%s:r%d:%s" % (ns.hex().encode(), rank, chain_hash.hex().encode())
+    ns_part, block_state = _keyed_names(name_key, ns, rank)
+    h = block_state.copy()
+    h.update(chain_hash)
+    return b"vkv:%s:r%d:%s" % (ns_part, rank, h.hexdigest().encode())
+
+
+@functools.lru_cache(maxsize=64)
+def _keyed_names(name_key: bytes, ns: bytes, rank: int):
+    """(the namespace part, the keyed hash state of the block part up to the
+    chain hash) for one namespace and rank: a key then costs one copy and
+    one 32-byte update (no re-keying)."""
+    ns_part = hashlib.blake2b(
+        ns, key=name_key, digest_size=16, person=b"vkv-key-ns"
+    ).hexdigest()
+    state = hashlib.blake2b(key=name_key, digest_size=32, person=b"vkv-key-block")
+    state.update(ns)
+    state.update(b"r%d:" % rank)
+    return ns_part.encode(), state
 
 
 @dataclasses.dataclass
@@ -109,6 +138,11 @@ class PoolMetadata(KVConnectorMetadata):
     stores: dict[str, tuple[list[int], list[bytes]]]
 
 
+# In the stats a worker hands the scheduler each step (not a metric): the
+# block ids whose value this step's loads refused by its check.
+REFUSED_KEY = "refused_block_ids"
+
+
 @dataclasses.dataclass
 class PoolConnectorStats(KVConnectorStats):
     def reset(self) -> None:
@@ -116,7 +150,9 @@ class PoolConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            if not key.startswith("gb_per_s"):
+            if key == REFUSED_KEY:
+                self.data[key] = [*self.data.get(key, ()), *value]
+            elif not key.startswith("gb_per_s"):
                 self.data[key] = self.data.get(key, 0) + value
         return self
 
@@ -137,6 +173,9 @@ class PoolConnectorStats(KVConnectorStats):
                 "bad_signatures",
                 "bad_keys",
                 "errors",
+                "internal_errors",
+                "load_timeouts",
+                "stuck",
             )
         }
         out["MiB_in"] = round(d.get("bytes_in", 0) / 2**20, 2)
@@ -152,11 +191,22 @@ class PoolConnectorStats(KVConnectorStats):
         return not any(
             v
             for k, v in self.data.items()
-            if not k.startswith(("gb_per_s", "io_seconds"))
+            if not k.startswith(("gb_per_s", "io_seconds", REFUSED_KEY))
         )
 
 
-def take_stats(pool) -> PoolConnectorStats | None:
+def take_stats(pool, refused: list[int] | None = None) -> PoolConnectorStats | None:
     stats = pool.take_stats().as_dict()
     data = {k: v for k, v in stats.items() if v}
+    if refused:
+        data[REFUSED_KEY] = refused
     return PoolConnectorStats(data=data) if data else None
+
+
+def take_refused(connector_output) -> set[int]:
+    """The refused block ids a step's stats carry, removed from them (they
+    are not a metric)."""
+    stats = getattr(connector_output, "kv_connector_stats", None)
+    if stats is None or not isinstance(getattr(stats, "data", None), dict):
+        return set()
+    return set(stats.data.pop(REFUSED_KEY, ()))

@@ -16,10 +16,19 @@ import dataclasses
 import time
 from typing import Any
 
-from vllm_overlay.connectors.shared_pool.common import PoolMetadata, pool_key
+from vllm_overlay.connectors.shared_pool.common import (
+    PoolMetadata,
+    pool_key,
+    take_refused,
+)
 
 CHAIN_ROOT = b"vLLM shared KV pool chain root v1"
-REFUSED_TTL_S = 300.0  # a refused value is not looked up again for this long
+# A value refused by its check (checksum, MAC, layout, namespace) is not
+# looked up again for this long; a transient failure (a dropped connection,
+# an evicted key, a load over the in-flight limit, a deadline) is not
+# remembered: the next request asks the pool again (the pool's own
+# back-off decides whether it goes to the network).
+REFUSED_TTL_S = 300.0
 ANSWER_TTL_S = 5.0  # a lookup's answer is reused for this long (same request)
 SPIN_S = 0.002  # asked again this soon: the engine is idle-spinning
 SPIN_YIELD_S = 0.001  # then hand the GIL to the lookup thread this long
@@ -133,7 +142,7 @@ class SharedPoolScheduler:
             pending = None
         if pending is None:
             keys = [
-                pool_key(self.ns, h, rank)
+                pool_key(self.ns, h, rank, self.pool.config.name_key)
                 for rank in range(self.world_size)
                 for h in chain[start:end]
             ]
@@ -223,17 +232,18 @@ class SharedPoolScheduler:
         for req_id in connector_output.finished_sending or ():
             self._storing.discard(req_id)
         invalid = connector_output.invalid_block_ids or set()
+        refused = take_refused(connector_output)
         now = time.monotonic()
         for req_id in connector_output.finished_recving or ():
             block_ids, chain = self._loading.pop(req_id, ((), ()))
             start = self._load_start.pop(req_id, 0)
             for i, (block_id, h) in enumerate(zip(block_ids, chain)):
-                if block_id in invalid:  # never look it up again (for a while)
+                if block_id in refused:  # not looked up again (for a while)
                     self._refused[h] = now
-                    if req_id in self._next_store:  # store it once recomputed
-                        self._next_store[req_id] = min(
-                            self._next_store[req_id], start + i
-                        )
+                if block_id in invalid and req_id in self._next_store:
+                    # Store it once recomputed (an honest value replaces a
+                    # refused one that was deleted).
+                    self._next_store[req_id] = min(self._next_store[req_id], start + i)
         if len(self._refused) > 100_000:
             self._refused = {
                 h: t for h, t in self._refused.items() if now - t < REFUSED_TTL_S

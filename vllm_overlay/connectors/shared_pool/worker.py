@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 
 import numpy
 import torch
@@ -39,6 +38,8 @@ from vllm_overlay.connectors.shared_pool.common import (
 )
 from vllm_overlay.core.ops.block_copy import gather, scatter
 from vllm_overlay.core.pool import codec
+from vllm_overlay.core.pool.ratelog import RateLimitedLog
+from vllm_overlay.core.pool.resp import Oversized
 from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
 
 logger = logging.getLogger("vllm.overlay")
@@ -127,6 +128,7 @@ class _ReadyLoad:
     good_rows: list[int] = dataclasses.field(default_factory=list)
     failed_ids: list[int] = dataclasses.field(default_factory=list)
     delete_keys: list[bytes] = dataclasses.field(default_factory=list)
+    refused_ids: list[int] = dataclasses.field(default_factory=list)  # integrity
     refusals: list = dataclasses.field(default_factory=list)  # (key, BadValue)
     bad_signatures: int = 0
 
@@ -144,10 +146,13 @@ class SharedPoolWorker:
         self._stored_reqs: set[str] = set()
         self._waiting_finish: set[str] = set()
         self._load_errors: set[int] = set()
+        # Blocks whose value was refused by its check (checksum, MAC, layout,
+        # namespace), as opposed to transient failures: the scheduler side
+        # remembers those (see take_refused).
+        self._refused_ids: set[int] = set()
         self._layout = b""  # the layout fingerprint in each value's header
         self._mac_key = pool.config.mac_key
-        self._last_refusal_log = 0.0
-        self._refusals_unlogged = 0
+        self._refusal_log = RateLimitedLog(logger, 10.0)
         self._store_ring: StagingRing | None = None
         self._load_ring: StagingRing | None = None
         self._cache_words: torch.Tensor | None = None  # [blocks, words], CPU
@@ -157,7 +162,7 @@ class SharedPoolWorker:
         self._aborted_loads: set[str] = set()  # finished while loading
 
     def _key(self, chain_hash: bytes) -> bytes:
-        return pool_key(self.ns, chain_hash, self._rank)
+        return pool_key(self.ns, chain_hash, self._rank, self.pool.config.name_key)
 
     def _set_table(self, table, what: str, layout_tag: bytes) -> None:
         from vllm.distributed import get_world_group
@@ -165,17 +170,27 @@ class SharedPoolWorker:
         self._table = table
         self._layout = layout_tag
         self._rank = get_world_group().rank if self.world_size > 1 else 0
+        self.pool.check_value_size(table.block_bytes + codec.HEADER_BYTES)
         self._make_staging(table)
+        store_mib = self._store_ring.rows.nbytes / 2**20
+        load_mib = (self._load_ring.rows.nbytes + self._load_ring.heads.nbytes) / 2**20
         logger.info(
             "vllm-overlay KV pool: %s, one value of %d B per block "
-            "(%d run(s) gathered), rank %d; staging rings of %d (stores) and "
-            "%d (loads) blocks",
+            "(%d run(s) gathered), rank %d; host memory taken now: %.1f MiB "
+            "store staging (%d blocks, max_inflight_bytes) + %.1f MiB load "
+            "staging (%d blocks, max_inflight_load_bytes%s)%s",
             what,
             table.block_bytes,
             table.runs_per_block,
             self._rank,
+            store_mib,
             self._store_ring.slots,
+            load_mib,
             self._load_ring.slots,
+            "; headers only: values are read straight into the KV cache"
+            if self._cache_rows is not None
+            else "",
+            ", pinned" if self._table.device.type == "cuda" else "",
         )
 
     def _make_staging(self, table) -> None:
@@ -350,6 +365,11 @@ class SharedPoolWorker:
         try:
             if value is None:
                 raise codec.BadValue("missing")
+            if isinstance(value, Oversized):  # longer than ours: never read
+                raise codec.BadValue(
+                    f"value of {len(value)} B, this node's values are "
+                    f"{self._table.block_bytes + codec.HEADER_BYTES} B"
+                )
             if isinstance(value, (bytes, bytearray)):  # not our length
                 codec.decode(
                     self.ns,
@@ -389,7 +409,8 @@ class SharedPoolWorker:
                 exc = self._check_value(block_id, key, start + i, value)
             if exc is not None:
                 ready.failed_ids.append(block_id)
-                if value is not None:
+                if value is not None:  # refused by its check: integrity
+                    ready.refused_ids.append(block_id)
                     if exc.delete:
                         ready.delete_keys.append(key)
                     ready.bad_signatures += exc.signature
@@ -413,6 +434,7 @@ class SharedPoolWorker:
             if ready is None:  # preparing failed (logged): recompute all
                 ready = _ReadyLoad(failed_ids=list(block_ids))
             self._load_errors.update(ready.failed_ids)
+            self._refused_ids.update(ready.refused_ids)
             event = None
             if ready.good_ids and self._cache_rows is None:
                 event = self._scatter(ready.good_ids, ready.good_rows)
@@ -487,18 +509,12 @@ class SharedPoolWorker:
                 del self._pending_copies[req_id]
 
     def _log_refusal(self, key: bytes, exc: codec.BadValue) -> None:
-        """Rate-limited: at most one line every 10 s, with the count."""
-        now = time.monotonic()
-        if now - self._last_refusal_log < 10.0:
-            self._refusals_unlogged += 1
-            return
-        self._last_refusal_log = now
-        more, self._refusals_unlogged = self._refusals_unlogged, 0
-        logger.warning(
-            "vllm-overlay KV pool: block %s refused (%s)%s; %s; recomputing",
+        self._refusal_log.log(
+            logging.WARNING,
+            "refused",
+            "vllm-overlay KV pool: block %s refused (%s); %s; recomputing",
             key.rsplit(b":", 1)[-1][:12].decode(),
             exc,
-            f" (and {more} more refused since the last message)" if more else "",
             "deleted" if exc.delete else "left in the pool",
         )
 
@@ -527,3 +543,11 @@ class SharedPoolWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_refused(self) -> list[int]:
+        """Blocks of this step's load errors whose value was refused by its
+        check (not a transient failure): they travel to the scheduler side
+        with this step's connector stats (vLLM 0.11.2 has no other channel
+        from workers to the scheduler's connector)."""
+        refused, self._refused_ids = self._refused_ids, set()
+        return sorted(refused)
