@@ -166,7 +166,14 @@ class RespReader:
 
     def _recv(self, view, nbytes: int) -> int:
         self._before_read()
-        got = self.sock.recv_into(view, nbytes)
+        try:
+            got = self.sock.recv_into(view, nbytes)
+        except TimeoutError:
+            if self._shortened and time.monotonic() >= self.deadline:
+                raise PoolTooSlow(
+                    "not done within io_timeout_s (the server sends too slowly)"
+                ) from None
+            raise
         if not got:
             import redis
 
