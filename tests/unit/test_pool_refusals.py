@@ -1,0 +1,117 @@
+"""Integrity refusals against transient failures (issue 19, point 3): the
+worker names the blocks whose value its check refused, the scheduler side
+remembers only those; a block that failed for a transient reason (an
+evicted key, a dropped connection, the in-flight limit) is asked for again
+by the next request.  Real redis-server."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import types
+
+import redis
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from support.redis_server import redis_server  # noqa: E402
+from unit.test_pool_io import _meta, _until, _worker  # noqa: E402
+from unit.test_pool_liveness import (  # noqa: E402
+    BLOCK,
+    NS,
+    _pool,
+    _request,
+    _scheduler,
+    _serve,
+)
+
+from vllm_overlay.connectors.shared_pool.common import (  # noqa: E402
+    REFUSED_KEY,
+    PoolConnectorStats,
+    pool_key,
+    take_stats,
+)
+
+
+def test_the_worker_names_refused_blocks_and_not_transient_ones():
+    with redis_server() as server:
+        pool = _pool(server.url)
+        try:
+            writer, cache = _worker(pool, blocks=8)
+            cache.copy_(torch.randn_like(cache))
+            chain = [bytes([i]) * 32 for i in range(4)]
+            writer.wait_for_save(_meta(stores={"w": ([0, 1, 2, 3], chain)}))
+            writer.get_finished(set())
+            assert pool.drain()
+            keys = [writer._key(h) for h in chain]
+            client = redis.Redis(port=server.port)
+            value = bytearray(client.get(keys[1]))
+            value[-1] ^= 0xFF  # checksum fails: integrity
+            client.set(keys[1], bytes(value))
+            client.delete(keys[2])  # evicted: transient
+            reader, _ = _worker(pool, blocks=8)
+            reader.start_load_kv(_meta(loads={"r": ([4, 5, 6, 7], chain)}))
+            _until(lambda: reader.get_finished(set())[1])
+            assert reader.get_block_ids_with_load_errors() == {5, 6}
+            refused = reader.take_refused()
+            assert refused == [5]  # before: no distinction was made
+            stats = take_stats(pool, refused)
+            assert stats.data[REFUSED_KEY] == [5]
+            assert reader.take_refused() == []
+        finally:
+            pool.close()
+
+
+def _finish_load(scheduler, request, block_ids, invalid, refused):
+    """The scheduler side of one load: allocated, sent, and reported back
+    by the workers with ``invalid`` block ids, ``refused`` among them."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    n, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: [block_ids])
+    scheduler.update_state_after_alloc(request, blocks, n)
+    scheduler.build_connector_meta(
+        types.SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=types.SimpleNamespace(
+                req_ids=[], new_block_ids=[], resumed_req_ids=set()
+            ),
+            num_scheduled_tokens={},
+        )
+    )
+    stats = PoolConnectorStats(data={"loaded_blocks": 1, REFUSED_KEY: list(refused)})
+    output = KVConnectorOutput(
+        finished_recving={request.request_id},
+        invalid_block_ids=set(invalid),
+        kv_connector_stats=stats,
+    )
+    scheduler.update_connector_output(output)
+    assert REFUSED_KEY not in stats.data  # not a metric: taken out
+    scheduler.request_finished(request, block_ids)
+
+
+def test_only_integrity_refusals_are_remembered(overlay):
+    with redis_server() as server:
+        pool = _pool(server.url, io_threads=False)
+        try:
+            scheduler = _scheduler(pool)
+            first = _request(1, blocks=6)
+            chain = scheduler._chain(first)
+            writer = _pool(server.url)
+            keys = [pool_key(NS, h, 0) for h in chain[:6]]
+            assert writer.submit_store([(k, b"v") for k in keys]) == 6
+            assert writer.drain()
+            writer.close()
+            answers, _ = _serve(scheduler, [first], 0.5)
+            assert answers["r1"][-1] == 6 * BLOCK
+            # Block 2 failed for a transient reason, block 4 was refused.
+            ids = [10, 11, 12, 13, 14, 15]
+            _finish_load(scheduler, first, ids, invalid={12, 14}, refused={14})
+            again = _request(1, blocks=6)
+            again.request_id = "r1-again"
+            answers, _ = _serve(scheduler, [again], 0.5)
+            # Asked for again up to the refused block (before: up to the
+            # first invalid block, 2, for 5 minutes).
+            assert answers["r1-again"][-1] == 4 * BLOCK
+        finally:
+            pool.close()
