@@ -11,9 +11,18 @@ import logging
 import threading
 
 from vllm_overlay import envs
+from vllm_overlay.version_gate import (  # noqa: F401  (re-exported)
+    UnsupportedVLLMVersion,
+    env_features,
+    installed_vllm_version,
+    is_supported_version,
+    supported_text,
+    unsupported_error,
+    unsupported_message,
+)
 
 __version__ = "0.1.0"
-SUPPORTED_VLLM = "0.11.2"
+SUPPORTED_VLLM = supported_text()  # the list: version_gate.SUPPORTED_RELEASES
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -21,33 +30,18 @@ _lock = threading.Lock()
 _outcome: str | None = None  # why register() did what it did, once decided
 
 
-class UnsupportedVLLMVersion(RuntimeError):
-    pass
-
-
 def vllm_version() -> str | None:
-    try:
-        import vllm
-    except ImportError:
-        return None
-    return getattr(vllm, "__version__", None)
-
-
-def is_supported_version(version: str | None) -> bool:
-    """vLLM 0.11.2 exactly; local tags (``+cpu``) and post releases allowed."""
-    from packaging.version import InvalidVersion, Version
-
-    if version is None:
-        return False
-    try:
-        parsed = Version(version)
-    except InvalidVersion:
-        return False
-    return parsed.release == (0, 11, 2) and parsed.pre is None and parsed.dev is None
+    return installed_vllm_version()
 
 
 def register() -> str:
-    """Apply the overlay once per process; returns what happened (for logs)."""
+    """Apply the overlay once per process; returns what happened (for logs).
+
+    On a vLLM it does not support, nothing is patched and stock vLLM runs,
+    but configuring an overlay feature (a connector, the PP flag, an
+    overlay environment switch) is a startup error naming the supported
+    versions (``vllm_overlay.unsupported``).
+    """
     global _outcome
     with _lock:
         if _outcome is not None:
@@ -58,16 +52,17 @@ def register() -> str:
             return _outcome
         version = vllm_version()
         if not is_supported_version(version):
-            message = (
-                f"vllm-overlay {__version__} supports vLLM "
-                f"{SUPPORTED_VLLM} only; found vLLM {version}: "
-                "nothing patched"
+            refused = env_features()
+            if refused:
+                raise unsupported_error(refused, version)
+            from vllm_overlay import unsupported
+
+            unsupported.install()
+            logger.warning(
+                "%s: nothing patched, stock vLLM (an overlay connector or "
+                "option configured is an error)",
+                unsupported_message(version),
             )
-            if envs.STRICT.flag():
-                raise UnsupportedVLLMVersion(
-                    message + f" ({envs.STRICT.name}=1 makes this an error)"
-                )
-            logger.warning("%s", message)
             _outcome = f"unsupported vLLM {version}"
             return _outcome
         from vllm_overlay.connectors import register_connectors

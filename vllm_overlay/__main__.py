@@ -75,13 +75,14 @@ def _plugin_line() -> str:
 def _expected_outcome(version: str | None) -> str:
     """What ``register()`` will decide in a vLLM process (no vLLM import)."""
     import vllm_overlay
-    from vllm_overlay import envs
+    from vllm_overlay import envs, version_gate
 
     if envs.DISABLE.flag():
         return f"disabled by {envs.DISABLE.name}"
     if not vllm_overlay.is_supported_version(version):
-        strict = f"; an error: {envs.STRICT.name}=1" if envs.STRICT.flag() else ""
-        return f"unsupported vLLM {version}{strict}"
+        refused = version_gate.env_features()
+        error = f"; an error: {', '.join(refused)}" if refused else ""
+        return f"unsupported vLLM {version}{error}"
     return "applied"
 
 
@@ -117,7 +118,11 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
             f"platform     {type(current_platform).__name__} "
             f"(device {current_platform.device_type or 'none'})"
         )
-        outcome = vllm_overlay.register()
+        try:
+            outcome = vllm_overlay.register()
+        except vllm_overlay.UnsupportedVLLMVersion as exc:
+            lines.append(f"register()   error: {exc}")
+            return 1
         lines.append(f"register()   {outcome}")
     else:
         lines.append("platform     not checked (--deep imports vLLM to detect it)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from vllm_overlay.version_gate import supported_text
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvVar:
@@ -37,7 +39,8 @@ STRICT = EnvVar(
     "VLLM_OVERLAY_STRICT",
     "0",
     "1",
-    "a vLLM other than 0.11.2 is an error (default: one warning, nothing patched)",
+    f"a vLLM other than {supported_text()} is an error (default: one warning, "
+    "nothing patched)",
 )
 SKIP_PATCHES = EnvVar(
     "VLLM_OVERLAY_SKIP_PATCHES",

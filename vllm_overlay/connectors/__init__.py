@@ -1,29 +1,31 @@
-"""KV connectors shipped with the overlay, registered with vLLM's factory."""
+"""KV connectors shipped with the overlay, registered with vLLM's factory.
+
+Python runs this file before any connector module, so importing one of them
+on a vLLM the overlay does not support is the startup error naming the
+supported versions: ``kv_connector_module_path`` cannot run a connector
+against vLLM internals it was not written for.
+"""
 
 from __future__ import annotations
 
-CONNECTORS = {
-    # name in kv_transfer_config -> (module, class)
-    "CrossLayerProbeConnector": (
-        "vllm_overlay.connectors.probe",
-        "CrossLayerProbeConnector",
-    ),
-    "OverlayOffloadingConnector": (
-        "vllm_overlay.connectors.offloading",
-        "OverlayOffloadingConnector",
-    ),
-    "SharedKVPoolConnector": (
-        "vllm_overlay.connectors.shared_pool",
-        "SharedKVPoolConnector",
-    ),
-}
-OFFLOADING_SPECS = {
-    # spec_name for stock OffloadingConnector -> (module, class)
-    "OverlayCPUOffloadingSpec": (
-        "vllm_overlay.connectors.offloading",
-        "OverlayCPUOffloadingSpec",
-    ),
-}
+from vllm_overlay.version_gate import (
+    CONNECTORS,
+    OFFLOADING_SPECS,
+    installed_vllm_version,
+    is_supported_version,
+    unsupported_error,
+)
+
+
+def _require_supported_vllm() -> None:
+    version = installed_vllm_version()
+    if version is not None and not is_supported_version(version):
+        raise unsupported_error(
+            [f"the overlay's KV connectors (module {__name__})"], version
+        )
+
+
+_require_supported_vllm()
 
 
 def register_connectors() -> None:

@@ -1,0 +1,281 @@
+"""On a vLLM the overlay does not support, an overlay feature is a startup
+error naming the supported versions; without one, stock vLLM runs.
+
+The harness has vLLM 0.11.2 only, so each case runs real vLLM in a fresh
+interpreter that sets ``vllm.__version__`` before any plugin loads (what the
+overlay reads, like an installed 0.12.0 would report) and keeps the engine
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so every part of it sees
+the same version.  The refusals come from real ``LLM``, ``EngineArgs``,
+``vllm serve``'s parser and vLLM's connector factory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_overlay import version_gate
+
+VERSION = "0.12.0"
+HEAD = (
+    f"vllm-overlay 0.1.0 supports vLLM 0.11.2 only; found vLLM {VERSION}. "
+    "This configuration uses the overlay, which does not run on it: "
+)
+TAIL = " Install vLLM 0.11.2, or remove it to run stock vLLM."
+
+PRELUDE = """
+import contextlib, io, json, sys, vllm
+vllm.__version__ = sys.argv[1]
+from vllm_overlay.demo import tiny_model_path
+MODEL = tiny_model_path()
+results = {}
+
+def case(name, fn):
+    try:
+        fn()
+        results[name] = "no error"
+    except BaseException as exc:
+        results[name] = f"{type(exc).__name__}: {exc}"
+"""
+
+REFUSALS = (
+    PRELUDE
+    + """
+import importlib
+import vllm.plugins
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+# Before anything loads the plugin: a module path reaches the connector
+# modules directly (what register() cannot see).
+results["plugin_loaded_before"] = vllm.plugins.plugins_loaded
+case("module_path_without_plugin", lambda: KVConnectorFactory.get_connector_class(
+    KVTransferConfig(kv_connector="CrossLayerProbeConnector", kv_role="kv_both",
+                     kv_connector_module_path="vllm_overlay.connectors.probe")))
+case("import_connector_module", lambda: importlib.import_module(
+    "vllm_overlay.connectors.offloading"))
+
+from vllm import LLM
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+def llm(**kwargs):
+    LLM(model=MODEL, dtype="float32", max_model_len=256, **kwargs)
+
+case("llm_by_name", lambda: llm(kv_transfer_config=KVTransferConfig(
+    kv_connector="CrossLayerProbeConnector", kv_role="kv_both")))
+results["plugin_loaded_after"] = vllm.plugins.plugins_loaded
+case("llm_module_path", lambda: llm(kv_transfer_config=KVTransferConfig(
+    kv_connector="CrossLayerProbeConnector", kv_role="kv_both",
+    kv_connector_module_path="vllm_overlay.connectors.probe")))
+case("llm_pp_additional_config", lambda: llm(
+    additional_config={"enable_pp_prop_kv_cache": True}))
+case("engine_args_spec", lambda: EngineArgs(
+    model=MODEL, kv_transfer_config=KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both",
+        kv_connector_extra_config={"spec_name": "OverlayCPUOffloadingSpec"}),
+).create_engine_config())
+case("engine_args_multi", lambda: EngineArgs(
+    model=MODEL, kv_transfer_config=KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [
+            {"kv_connector": "SharedKVPoolConnector", "kv_role": "kv_both"}]}),
+).create_engine_config())
+# Engine side (a config that did not come through EngineArgs):
+case("factory_by_name", lambda: KVConnectorFactory.get_connector_class(
+    KVTransferConfig(kv_connector="OverlayOffloadingConnector", kv_role="kv_both")))
+
+# vllm serve: its own parser, then what it does with the parsed arguments.
+from vllm.entrypoints.cli.main import main as vllm_main
+
+def serve(*args):
+    sys.argv = ["vllm", "serve", MODEL, *args]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            vllm_main()
+    except SystemExit as exc:
+        results["serve_exit"] = exc.code
+    print("STDERR:" + err.getvalue(), file=sys.stderr)
+    raise RuntimeError(err.getvalue().strip().splitlines()[-1])
+
+case("serve_flag", lambda: serve("--enable-pp-prop-kv-cache"))
+
+from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+def serve_config(*args):
+    parser = make_arg_parser(FlexibleArgumentParser())
+    parsed = parser.parse_args(["--model", MODEL, *args])
+    AsyncEngineArgs.from_cli_args(parsed).create_engine_config()
+
+case("serve_additional_config", lambda: serve_config(
+    "--additional-config", '{"enable_pp_prop_kv_cache": true}'))
+case("serve_kv_transfer_config", lambda: serve_config(
+    "--kv-transfer-config",
+    '{"kv_connector": "SharedKVPoolConnector", "kv_role": "kv_both"}'))
+print("RESULT:" + json.dumps(results))
+"""
+)
+
+ENV_SWITCH = (
+    PRELUDE
+    + """
+from vllm.engine.arg_utils import EngineArgs
+case("engine_args", lambda: EngineArgs(model=MODEL).create_engine_config())
+print("RESULT:" + json.dumps(results))
+"""
+)
+
+STOCK = (
+    PRELUDE
+    + """
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm_overlay.core.patching import REGISTRY
+llm = LLM(model=MODEL, dtype="float32", max_model_len=256, enforce_eager=True)
+out = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=6,
+                   temperature=0.0, ignore_eos=True))
+results["tokens"] = list(out[0].outputs[0].token_ids)
+results["patch_states"] = len(REGISTRY.states())
+import vllm_overlay
+results["outcome"] = vllm_overlay.register()
+case("factory_by_name", lambda: KVConnectorFactory.get_connector_class(
+    KVTransferConfig(kv_connector="SharedKVPoolConnector", kv_role="kv_both")))
+print("RESULT:" + json.dumps(results))
+"""
+)
+
+
+def run_script(script: str, **env: str) -> tuple[dict, str]:
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VLLM_OVERLAY_") and k != "VLLM_PLUGINS"
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, VERSION],
+        env={**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, log
+    return json.loads(lines[0][7:]), log
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    return run_script(REFUSALS)[0]
+
+
+def refused(*features: str) -> str:
+    return "UnsupportedVLLMVersion: " + HEAD + ", ".join(features) + "." + TAIL
+
+
+def test_connector_by_name_in_llm(refusals):
+    assert refusals["llm_by_name"] == refused("kv_connector 'CrossLayerProbeConnector'")
+
+
+def test_connector_by_module_path_in_llm(refusals):
+    assert refusals["llm_module_path"] == refused(
+        "kv_connector 'CrossLayerProbeConnector'",
+        "kv_connector_module_path 'vllm_overlay.connectors.probe'",
+    ).replace("remove it", "remove them")
+
+
+def test_module_path_is_refused_without_the_plugin(refusals):
+    # register() had not run: the connectors package refuses to import.
+    assert refusals["plugin_loaded_before"] is False
+    assert refusals["plugin_loaded_after"] is True
+    package = refused("the overlay's KV connectors (module vllm_overlay.connectors)")
+    assert refusals["module_path_without_plugin"] == package
+    assert refusals["import_connector_module"] == package
+
+
+def test_pp_flag_in_llm_additional_config(refusals):
+    assert refusals["llm_pp_additional_config"] == refused(
+        "additional_config['enable_pp_prop_kv_cache'] = True "
+        "(--enable-pp-prop-kv-cache)"
+    )
+
+
+def test_pp_flag_on_the_vllm_serve_command_line(refusals):
+    assert refusals["serve_exit"] == 2
+    assert refusals["serve_flag"] == (
+        "RuntimeError: vllm serve: error: argument "
+        "--enable-pp-prop-kv-cache/--no-enable-pp-prop-kv-cache: "
+        + refused("--enable-pp-prop-kv-cache").removeprefix("UnsupportedVLLMVersion: ")
+    )
+    assert refusals["serve_additional_config"] == refused(
+        "additional_config['enable_pp_prop_kv_cache'] = True "
+        "(--enable-pp-prop-kv-cache)"
+    )
+    assert refusals["serve_kv_transfer_config"] == refused(
+        "kv_connector 'SharedKVPoolConnector'"
+    )
+
+
+def test_offloading_spec_and_nested_connector(refusals):
+    assert refusals["engine_args_spec"] == refused(
+        "kv_connector_extra_config spec_name 'OverlayCPUOffloadingSpec'"
+    )
+    assert refusals["engine_args_multi"] == refused(
+        "kv_connector 'SharedKVPoolConnector'"
+    )
+
+
+def test_connector_name_refused_in_the_engine_factory(refusals):
+    assert refusals["factory_by_name"] == refused(
+        "kv_connector 'OverlayOffloadingConnector'"
+    )
+
+
+def test_overlay_env_switch_is_refused():
+    results, _ = run_script(ENV_SWITCH, VLLM_OVERLAY_SKIP_PATCHES="CL-06")
+    assert results["engine_args"] == refused("VLLM_OVERLAY_SKIP_PATCHES=CL-06")
+
+
+def test_no_overlay_feature_runs_stock_vllm():
+    results, log = run_script(STOCK)
+    assert len(results["tokens"]) == 6
+    assert results["patch_states"] == 0  # nothing of vLLM patched
+    assert results["outcome"] == f"unsupported vLLM {VERSION}"
+    warning = f"supports vLLM 0.11.2 only; found vLLM {VERSION}: nothing patched"
+    assert log.count(warning) == 1  # one warning, in the one process
+    assert results["factory_by_name"] == refused("kv_connector 'SharedKVPoolConnector'")
+
+
+def test_supported_set_is_one_list(monkeypatch):
+    """A later release line is one entry in SUPPORTED_RELEASES."""
+    monkeypatch.setattr(version_gate, "SUPPORTED_RELEASES", ("0.11.2", "0.32.x"))
+    assert version_gate.supported_text() == "0.11.2 or 0.32.x"
+    assert version_gate.is_supported_version("0.32.0")
+    assert version_gate.is_supported_version("0.32.4+cu129")
+    assert version_gate.is_supported_version("0.11.2")
+    assert not version_gate.is_supported_version("0.11.3")
+    assert not version_gate.is_supported_version("0.33.0")
+    assert not version_gate.is_supported_version("0.32.1rc1")
+    error = version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0")
+    assert "supports vLLM 0.11.2 or 0.32.x only; found vLLM 0.12.0" in str(error)
+    assert "Install vLLM 0.11.2 or 0.32.x" in str(error)
+
+
+def test_doctor_says_an_overlay_switch_is_an_error(monkeypatch):
+    from vllm_overlay.__main__ import _expected_outcome
+
+    monkeypatch.delenv("VLLM_OVERLAY_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_OVERLAY_STRICT", raising=False)
+    monkeypatch.delenv("VLLM_OVERLAY_SKIP_PATCHES", raising=False)
+    assert _expected_outcome("0.12.0") == "unsupported vLLM 0.12.0"
+    monkeypatch.setenv("VLLM_OVERLAY_SKIP_PATCHES", "CL-06")
+    assert _expected_outcome("0.12.0") == (
+        "unsupported vLLM 0.12.0; an error: VLLM_OVERLAY_SKIP_PATCHES=CL-06"
+    )
+    assert _expected_outcome("0.11.2") == "applied"
