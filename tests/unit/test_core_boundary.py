@@ -61,7 +61,11 @@ def test_every_core_module_imports_without_vllm():
             "pool.codec",
             "pool.config",
             "pool.errors",
+            "pool.health",
             "pool.pool",
+            "pool.ratelog",
+            "pool.resp",
+            "pool.transport",
         )
     }
     assert set(result) == expected

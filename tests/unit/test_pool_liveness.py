@@ -137,7 +137,7 @@ def test_every_failure_named_in_the_issue_has_its_kind():
         rex.ResponseError("WRONGTYPE Operation against a key"): Failure.BAD_KEY,
         rex.ResponseError("ERR invalid expire time in 'set'"): Failure.BAD_REQUEST,
         rex.ResponseError("ERR unknown command 'SET'"): Failure.BAD_REQUEST,
-        RuntimeError("a bug"): Failure.BAD_REQUEST,
+        RuntimeError("a bug"): Failure.INTERNAL,  # not the server: no pause
     }
     assert {str(e): classify(e) for e in cases} == {
         str(e): kind for e, kind in cases.items()

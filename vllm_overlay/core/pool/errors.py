@@ -87,7 +87,10 @@ class PoolDependencyError(ImportError):
     """The pool's Python dependencies are not installed."""
 
 
-INSTALL_HINT = "pip install 'vllm-overlay[pool]'"
+INSTALL_HINT = "pip install redis xxhash"
+# runtime only: begin
+INSTALL_HINT = "pip install 'vllm-overlay[pool]'"  # the overlay's pool extras
+# runtime only: end
 
 
 def require_dependencies() -> None:
@@ -104,7 +107,7 @@ def require_dependencies() -> None:
     if missing:
         raise PoolDependencyError(
             "the shared KV pool needs redis-py, which is not installed: "
-            f"{'; '.join(missing)}. Install the pool's extras: {INSTALL_HINT}"
+            f"{'; '.join(missing)}. Install the pool's dependencies: {INSTALL_HINT}"
         )
 
 
