@@ -35,10 +35,10 @@ def test_mismatch_of_more_than_a_block_is_an_error():
         pair_sub_blocks([0], 1, [1, 2], 4)
 
 
-def make_spec(extra, block_size=16, with_model=False):
+def make_spec(extra, block_size=16, with_model=False, parallel=None):
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 
-    kwargs = {}
+    kwargs = {} if parallel is None else {"parallel_config": parallel}
     if with_model:
         from vllm.config import ModelConfig
 
@@ -88,6 +88,34 @@ def test_host_size_in_bytes(overlay):
     assert spec.num_cpu_blocks == 10 and spec.factor == 2
     with pytest.raises(ValueError, match="less than one offloaded block"):
         make_spec({"cpu_bytes": 100}, with_model=True)
+
+
+@pytest.mark.parametrize("partition", ["1,3", "3,1"])
+def test_host_pool_has_the_same_blocks_on_every_pp_stage(
+    overlay, monkeypatch, partition
+):
+    """The scheduler hands every stage the same host block ids: the
+    scheduler (rank 0's config) and each stage's worker must size the pool
+    alike.  cpu_bytes is for the whole model, split by layers.  (Sized from
+    each process's own stage, 1,3 gave the scheduler 128 blocks and the
+    3-layer stage 42: a stage-1 IndexError, then EngineDeadError.)"""
+    from vllm.config import ParallelConfig
+
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+    layers = [int(n) for n in partition.split(",")]
+    block = 512 * 16  # one 16-token block of one layer
+    for rank in (0, 1):
+        parallel = ParallelConfig(
+            pipeline_parallel_size=2, rank=rank, distributed_executor_backend="mp"
+        )
+        spec = make_spec({"cpu_bytes": 2**20}, with_model=True, parallel=parallel)
+        assert spec.num_cpu_blocks == 2**20 // (4 * block) == 32
+        assert spec.host_pool.stage_bytes == [32 * n * block for n in layers]
+        assert f"stages of {layers} layers" in spec.host_pool.describe()
+        with pytest.raises(ValueError, match="block of the model's 4 layers"):
+            make_spec({"cpu_bytes": 3 * block}, with_model=True, parallel=parallel)
+    spec = make_spec({"num_cpu_blocks": 7}, with_model=True, parallel=parallel)
+    assert spec.host_pool.stage_bytes == [7 * n * block for n in layers]
 
 
 def test_handler_with_kernel_blocks_smaller_than_cache_blocks(overlay):

@@ -15,7 +15,13 @@ kernel block size smaller than the cache block size, and loads nothing for
 requests that skip the prefix cache (prompt logprobs).
 
 ``kv_connector_extra_config``:
-  ``num_cpu_blocks`` (int) or ``cpu_bytes`` (int): host pool size, exactly one;
+  ``num_cpu_blocks`` (int) or ``cpu_bytes`` (int): host pool size, exactly
+  one.  ``cpu_bytes`` is host memory for the KV of the whole model (all its
+  layers; per tensor-parallel rank).  With pipeline parallelism it is split
+  across the stages by their layers, like ``--enable-pp-prop-kv-cache``
+  splits the device budget: the scheduler hands every stage the same host
+  block ids, so every stage holds the same number of blocks, each of its
+  own layers only.  The scheduler logs the blocks and each stage's bytes;
   ``block_size`` (tokens per offloaded block, a multiple of the cache block
   size; default the cache block size); ``eviction_policy`` (lru | arc);
   ``transfer_method`` (auto | dma | triton).
@@ -48,7 +54,7 @@ from vllm_overlay.core.offload.mapping import pair_sub_blocks
 from vllm_overlay.core.offload.mover import METHODS, BlockMover, TransferStats
 from vllm_overlay.core.ops.block_copy import BlockTable
 from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
-from vllm_overlay.integration.model_kv import kv_bytes_per_token
+from vllm_overlay.integration.model_kv import host_pool_size
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -97,15 +103,20 @@ class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
                 "in kv_connector_extra_config"
             )
         if "cpu_bytes" in extra:
-            block_bytes = kv_bytes_per_token(vllm_config) * block_size
-            cpu_bytes = _positive_int("cpu_bytes", extra.pop("cpu_bytes"))
-            if cpu_bytes < block_bytes:
-                raise ValueError(
-                    f"cpu_bytes={cpu_bytes} is less than one "
-                    f"offloaded block ({block_bytes} B)"
-                )
-            extra["num_cpu_blocks"] = cpu_bytes // block_bytes
-        _positive_int("num_cpu_blocks", extra["num_cpu_blocks"])
+            # The whole model's layers, never this process's stage: every
+            # stage and the scheduler must agree on the number of blocks.
+            self.host_pool = host_pool_size(
+                vllm_config,
+                block_size,
+                cpu_bytes=_positive_int("cpu_bytes", extra.pop("cpu_bytes")),
+            )
+            extra["num_cpu_blocks"] = self.host_pool.blocks
+        else:
+            self.host_pool = host_pool_size(
+                vllm_config,
+                block_size,
+                num_blocks=_positive_int("num_cpu_blocks", extra["num_cpu_blocks"]),
+            )
         self.transfer_method = extra.pop("transfer_method", "auto")
         if self.transfer_method not in METHODS:
             raise ValueError(
@@ -130,16 +141,29 @@ class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
         handler = BlockMoverHandler(
             table, self.num_cpu_blocks * self.factor, self.factor, self.transfer_method
         )
+        stage, stages = _pp_stage()
         logger.info(
-            "vllm-overlay offloading: %s, %d B per block in %d "
-            "run(s), host pool %d blocks (%.1f MiB), copies by %s",
+            "vllm-overlay offloading: %s, %d B per block in %d run(s), host "
+            "pool %d blocks of %d tokens (%.1f MiB)%s, copies by %s",
             what,
             table.block_bytes,
             table.runs_per_block,
-            handler.mover.host.shape[0],
+            self.num_cpu_blocks,
+            self.offloaded_block_size,
             handler.mover.host_bytes / 2**20,
+            f" on PP stage {stage} of {stages}" if stages > 1 else "",
             handler.mover.method,
         )
+        share = self.host_pool.stage_bytes[stage] if self.host_pool.cpu_bytes else 0
+        if share and handler.mover.host_bytes > share:
+            logger.warning(
+                "vllm-overlay offloading: the host pool of PP stage %d takes "
+                "%d B, more than its share of cpu_bytes (%d B): its KV blocks "
+                "are larger than the model config says",
+                stage,
+                handler.mover.host_bytes,
+                share,
+            )
         return handler
 
     def get_handlers(self, kv_caches: dict[str, torch.Tensor]):
@@ -158,6 +182,17 @@ class OverlayCPUOffloadingSpec(CPUOffloadingSpec):
         )
         yield GPULoadStoreSpec, CPULoadStoreSpec, handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, handler
+
+
+def _pp_stage() -> tuple[int, int]:
+    """(this worker's pipeline stage, stages); (0, 1) outside a worker."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    try:
+        group = get_pp_group()
+    except AssertionError:  # no distributed state (unit tests)
+        return 0, 1
+    return group.rank_in_group, group.world_size
 
 
 class BlockMoverHandler(OffloadingHandler):
@@ -271,6 +306,9 @@ class OverlayOffloadingConnector(OffloadingConnector):
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:
+            logger.info(
+                "vllm-overlay offloading: host pool %s", spec.host_pool.describe()
+            )
             self.connector_scheduler = _Scheduler(spec)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = _Worker(spec)

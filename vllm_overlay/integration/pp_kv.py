@@ -4,7 +4,8 @@ On with ``--enable-pp-prop-kv-cache`` (``vllm serve``) or
 ``additional_config={"enable_pp_prop_kv_cache": True}`` (``LLM``); then
 ``--kv-cache-memory-bytes`` is the budget of the whole pipeline and each
 stage gets its share by layers (``VLLM_PP_LAYER_PARTITION`` or vLLM's
-default split).
+default split).  The layers per stage come from ``model_kv``, which also
+splits the offloading connector's ``cpu_bytes`` across the stages.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from vllm_overlay.core.pp_budget import StageBudget, split_budget
-from vllm_overlay.integration.model_kv import kv_bytes_per_token_per_layer
+from vllm_overlay.integration import model_kv
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -30,18 +31,13 @@ def enabled(vllm_config) -> bool:
 
 
 def layers_per_stage(vllm_config) -> list[int]:
-    from vllm.distributed.utils import get_pp_indices
-
-    total = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", 0)
-    pp = vllm_config.parallel_config.pipeline_parallel_size
     try:
-        return [
-            end - start
-            for start, end in (get_pp_indices(total, r, pp) for r in range(pp))
-        ]
+        return model_kv.layers_per_stage(vllm_config)
     except ValueError as exc:
         import os
 
+        total = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", 0)
+        pp = vllm_config.parallel_config.pipeline_parallel_size
         raise ValueError(
             f"{CLI_FLAG}: VLLM_PP_LAYER_PARTITION="
             f"{os.environ.get('VLLM_PP_LAYER_PARTITION')!r} does not split "
@@ -59,7 +55,7 @@ def stage_budgets(vllm_config) -> list[StageBudget]:
         )
     layers = layers_per_stage(vllm_config)
     block_size = vllm_config.cache_config.block_size
-    page = block_size * kv_bytes_per_token_per_layer(vllm_config)
+    page = block_size * model_kv.kv_bytes_per_token_per_layer(vllm_config)
     return [
         StageBudget(rank, n, share, page, block_size)
         for rank, (n, share) in enumerate(zip(layers, split_budget(total, layers)))
