@@ -1,10 +1,13 @@
 """Shared secret and layout fingerprint, and long prompts, against a real
-redis-server: signed values round-trip, anything else is refused (and left
-in the pool); stores are admitted block by block in prefix order; loads are
-bounded and what is not loaded is reported for recompute."""
+redis-server: signed values round-trip, anything else is refused; with a
+secret, key names derive from it and a value under them without its MAC is
+deleted, so the next honest store writes the block again; stores are
+admitted block by block in prefix order; loads are bounded and what is not
+loaded is reported for recompute."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import pathlib
 import sys
@@ -19,6 +22,7 @@ from support.redis_server import redis_server  # noqa: E402
 # Imported first: importing vLLM configures its loggers, and a handler a
 # test adds to the overlay's logger must come after that.
 import vllm_overlay.connectors.shared_pool.worker as worker_module  # noqa: E402
+from vllm_overlay.connectors.shared_pool.common import pool_key  # noqa: E402
 from vllm_overlay.core.ops.block_copy import BlockTable  # noqa: E402
 from vllm_overlay.core.pool import codec  # noqa: E402
 from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
@@ -67,8 +71,15 @@ def test_secret_comes_from_a_file_or_the_environment(secret_file, monkeypatch):
     from_file = PoolConfig(url="redis://h", secret_file=secret_file)
     from_env = PoolConfig(url="redis://h", secret_env="VKV_TEST_SECRET")
     assert from_file.mac_key == from_env.mac_key and len(from_file.mac_key) == 64
+    # The key-name key: derived from the same secret, independent of the
+    # MAC key (neither reveals the other, nor the secret).
+    assert from_file.name_key == from_env.name_key and len(from_file.name_key) == 32
+    assert from_file.name_key not in from_file.mac_key
+    for derived in (from_file.mac_key, from_file.name_key):
+        assert SECRET.encode() not in derived
     assert SECRET not in repr(from_file) and SECRET not in repr(from_env)
     assert PoolConfig(url="redis://h").mac_key is None
+    assert PoolConfig(url="redis://h").name_key is None
     monkeypatch.setenv("VKV_TEST_SECRET", "short")
     with pytest.raises(ValueError, match="secret_env.*at least 16 bytes"):
         PoolConfig(url="redis://h", secret_env="VKV_TEST_SECRET")
@@ -101,25 +112,87 @@ def test_signed_values_round_trip_and_everything_else_is_refused(
     unsigned = codec.encode(NS, b"k", payload, LAYOUT)
     # Same secret: loads.
     assert bytes(codec.decode(NS, b"k", signed, len(payload), LAYOUT, signer.mac_key))
-    # Wrong secret, unsigned value on a signing node, signed value on a
-    # node without a secret: refused, flagged, and not to be deleted.
+    # Under a signing node's keys (derived from its secret) only nodes with
+    # that secret write: a value with another secret's MAC, or none, is
+    # refused, flagged and deleted.  A node without a secret cannot verify
+    # a signed value: refused, flagged, left in the pool.
     cases = [
-        (signed, other.mac_key, "bad signature"),
-        (unsigned, signer.mac_key, "unsigned value"),
-        (signed, None, "signed value"),
+        (signed, other.mac_key, "bad signature", True),
+        (unsigned, signer.mac_key, "unsigned value", True),
+        (signed, None, "signed value", False),
     ]
-    for value, key, message in cases:
+    for value, key, message, delete in cases:
         with pytest.raises(codec.BadValue, match=message) as info:
             codec.decode(NS, b"k", value, len(payload), LAYOUT, key)
-        assert info.value.signature and not info.value.delete
-    # A forger who rewrites the payload and fixes the CRC is caught by the MAC.
+        assert info.value.signature and info.value.delete is delete
+    # A forger who rewrites the payload and fixes the checksum is caught by
+    # the MAC, and the forgery is deleted.
+    forged = _forged(signed)
+    with pytest.raises(codec.BadValue, match="bad signature") as info:
+        codec.decode(NS, b"k", forged, len(payload), LAYOUT, signer.mac_key)
+    assert info.value.delete
+
+
+def _forged(signed: bytes, key: bytes = b"k", layout: bytes = LAYOUT) -> bytes:
+    """``signed`` with a payload byte changed, the checksum fixed, and the
+    old MAC kept: what a writer without the secret can produce."""
     forged = bytearray(signed)
     forged[codec.HEADER_BYTES] ^= 0xFF
-    head = codec.encode_header(NS, b"k", forged[codec.HEADER_BYTES :], LAYOUT)
+    head = codec.encode_header(NS, key, forged[codec.HEADER_BYTES :], layout)
     forged[: codec.HEADER_BYTES - 16] = head[: codec.HEADER_BYTES - 16]
     forged[6] |= codec.SIGNED  # claims to be signed, keeps the old MAC
-    with pytest.raises(codec.BadValue, match="bad signature"):
-        codec.decode(NS, b"k", bytes(forged), len(payload), LAYOUT, signer.mac_key)
+    return bytes(forged)
+
+
+def test_with_a_secret_only_a_value_with_its_mac_is_left_in_the_pool(secret_file):
+    """Another layout is refused either way; it stays only when this
+    secret signed it (a node with the same secret and another layout), so a
+    writer without the secret cannot block a key with a value that claims
+    another layout."""
+    mac_key = PoolConfig(url="redis://h", secret_file=secret_file).mac_key
+    payload = b"x" * 64
+    other_layout = codec.layout_tag("per-layer|HND")
+    honest = codec.encode(NS, b"k", payload, other_layout, mac_key)
+    cases = [
+        (honest, False),
+        (codec.encode(NS, b"k", payload, other_layout), True),  # unsigned
+        (_forged(honest, layout=other_layout), True),  # wrong MAC
+    ]
+    for value, delete in cases:
+        with pytest.raises(codec.BadValue, match="another KV layout") as info:
+            codec.decode(NS, b"k", value, len(payload), LAYOUT, mac_key)
+        assert info.value.delete is delete
+
+
+def test_unsigned_key_names_are_unchanged():
+    """Without a secret, keys stay what every earlier release wrote."""
+    assert pool_key(b"\x01" * 16, b"\xab" * 32, 3) == (
+        b"vkv:" + b"01" * 16 + b":r3:" + b"ab" * 32
+    )
+
+
+def test_with_a_secret_key_names_reveal_nothing(secret_file, monkeypatch):
+    """A reader without the secret cannot compute a prompt's key: no part
+    of it is the namespace or the chain hash, and it changes with the
+    secret; it still depends on namespace, rank and chain hash."""
+    name_key = PoolConfig(url="redis://h", secret_file=secret_file).name_key
+    monkeypatch.setenv("VKV_OTHER", "another secret, also long enough")
+    other = PoolConfig(url="redis://h", secret_env="VKV_OTHER").name_key
+    chain = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
+    plain = {pool_key(NS, h, r) for h in chain for r in (0, 1)}
+    keyed = {pool_key(NS, h, r, name_key) for h in chain for r in (0, 1)}
+    assert len(keyed) == 8 and not keyed & plain
+    assert not keyed & {pool_key(NS, h, r, other) for h in chain for r in (0, 1)}
+    assert pool_key(NS, chain[0], 0, name_key) == pool_key(NS, chain[0], 0, name_key)
+    assert pool_key(b"m" * 16, chain[0], 0, name_key) not in keyed
+    secrets = [NS.hex()] + [h.hex() for h in chain]
+    for key in keyed:
+        prefix, ns_part, rank, block = key.decode().split(":")
+        assert prefix == "vkv" and rank in ("r0", "r1")
+        assert len(ns_part) == 32 and len(block) == 64
+        for text in secrets:  # no 8 hex digits of namespace or chain hash
+            pieces = {text[i : i + 8] for i in range(len(text) - 7)}
+            assert not any(piece in key.decode() for piece in pieces)
 
 
 def test_another_layout_is_refused_and_left_in_the_pool():
@@ -146,37 +219,124 @@ def _load_with_worker(worker, pool, chain, block_ids):
     return worker.get_block_ids_with_load_errors()
 
 
-def test_worker_refuses_bad_signatures_without_deleting(secret_file, caplog):
+def _write(server, items) -> None:
+    """Write ``(key, value)`` pairs as a writer without the secret would."""
+    pool = KVPool(PoolConfig(url=server.url))
+    try:
+        pool.submit_store(items)
+        assert pool.drain()
+    finally:
+        pool.close()
+
+
+def test_signing_worker_deletes_values_its_secret_did_not_sign(secret_file, caplog):
     payload = b"p" * 32
     with redis_server() as server:
         signing = KVPool(PoolConfig(url=server.url, secret_file=secret_file))
         try:
             worker = _worker(signing, len(payload))
-            chain = [b"\x01" * 8, b"\x02" * 8]
+            chain = [b"\x01" * 8, b"\x02" * 8, b"\x03" * 8]
             keys = [worker._key(h) for h in chain]
-            server_pool = KVPool(PoolConfig(url=server.url))
-            try:  # an unsigned and a corrupt value
-                server_pool.submit_store(
-                    [
-                        (keys[0], codec.encode(NS, keys[0], payload, LAYOUT)),
-                        (keys[1], b"VOKV" + b"\0" * 100),
-                    ]
-                )
-                assert server_pool.drain()
-            finally:
-                server_pool.close()
+            good = codec.encode(NS, keys[2], payload, LAYOUT, signing.config.mac_key)
+            # An unsigned value (with a valid checksum), a corrupt one, and
+            # a forged one (wrong MAC), under the signing node's own keys.
+            _write(
+                server,
+                [
+                    (keys[0], codec.encode(NS, keys[0], b"u" * 32, LAYOUT)),
+                    (keys[1], b"VOKV" + b"\0" * 100),
+                    (keys[2], _forged(good, keys[2])),
+                ],
+            )
             with caplog.at_level(logging.WARNING, logger="vllm.overlay"):
-                errors = _load_with_worker(worker, signing, chain, [5, 6])
-            assert errors == {5, 6}
+                errors = _load_with_worker(worker, signing, chain, [5, 6, 7])
+            assert errors == {5, 6, 7}
             assert signing.drain()
             stats = signing.cumulative()
-            assert stats["bad_signatures"] == 1 and stats["load_failures"] == 2
-            # The unsigned value stays (another node may verify it); the
-            # corrupt one is deleted.
-            assert server.cli("exists", keys[0].decode()) == "1"
-            assert server.cli("exists", keys[1].decode()) == "0"
+            assert stats["bad_signatures"] == 2 and stats["load_failures"] == 3
+            assert stats["loaded_blocks"] == 0
+            assert [server.cli("exists", k.decode()) for k in keys] == ["0"] * 3
             refusals = [r for r in caplog.records if "refused" in r.getMessage()]
             assert len(refusals) == 1  # rate-limited
+            assert "deleted" in refusals[0].getMessage()
+        finally:
+            signing.close()
+
+
+def test_an_honest_store_replaces_a_refused_value(secret_file):
+    """A forged value under a signing node's key is refused and deleted;
+    the block, recomputed, is stored by the same worker (its delete and its
+    store are ordered: the store's EXISTS does not see the forgery), and
+    another node with the secret then loads the honest value."""
+    import redis
+
+    payload = bytes(range(32))
+    chain = [b"\x01" * 8]
+    with redis_server() as server:
+        config = PoolConfig(url=server.url, secret_file=secret_file)
+        signing, reader = KVPool(config), KVPool(config)
+        try:
+            worker = _worker(signing, len(payload))
+            key = worker._key(chain[0])
+            honest = codec.encode(NS, key, payload, LAYOUT, config.mac_key)
+            _write(server, [(key, _forged(honest, key))])
+            assert _load_with_worker(worker, signing, chain, [5]) == {5}
+            # vLLM recomputes block 5; the scheduler asks to store it.
+            cache = worker._cache_words.view(torch.uint8)
+            cache[5] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            worker.wait_for_save(
+                types.SimpleNamespace(loads={}, stores={"req": ([5], chain)})
+            )
+            worker.get_finished({"req"})
+            assert signing.drain()
+            assert signing.cumulative()["stored_blocks"] == 1
+            assert redis.Redis.from_url(server.url).get(key) == honest
+            # A third node loads it.
+            other = _worker(reader, len(payload))
+            assert _load_with_worker(other, reader, chain, [9]) == set()
+            assert bytes(other._cache_words.view(torch.uint8)[9].numpy()) == payload
+            assert reader.cumulative()["loaded_blocks"] == 1
+        finally:
+            signing.close()
+            reader.close()
+
+
+def test_refused_bytes_read_into_a_kv_block_are_wiped(secret_file):
+    """On CPU a value is read straight into its KV block and checked after.
+    A refused one (here all NaN, under a checksum that does not match, and
+    unsigned NaN under a valid checksum) must not stay there: vLLM may free
+    the block before recomputing it, and the unfilled slots of a partial
+    block given to another request would feed NaN through the attention
+    (masked, x 0 = NaN).  Refused blocks are zeroed; the good one holds its
+    payload, a block no load touched keeps its bytes."""
+    block = 64
+    nan = torch.full((block // 4,), float("nan")).view(torch.uint8).numpy().tobytes()
+    good_payload = bytes(range(block))
+    with redis_server() as server:
+        signing = KVPool(PoolConfig(url=server.url, secret_file=secret_file))
+        try:
+            worker = _worker(signing, block)
+            cache = worker._cache_words.view(torch.uint8)
+            assert worker._cache_rows is not None  # the direct path
+            cache.fill_(7)
+            chain = [b"\x01" * 8, b"\x02" * 8, b"\x03" * 8]
+            keys = [worker._key(h) for h in chain]
+            mac = signing.config.mac_key
+            bad_sum = bytearray(codec.encode(NS, keys[0], good_payload, LAYOUT, mac))
+            bad_sum[codec.HEADER_BYTES :] = nan
+            _write(
+                server,
+                [
+                    (keys[0], bytes(bad_sum)),
+                    (keys[1], codec.encode(NS, keys[1], nan, LAYOUT)),
+                    (keys[2], codec.encode(NS, keys[2], good_payload, LAYOUT, mac)),
+                ],
+            )
+            assert _load_with_worker(worker, signing, chain, [5, 6, 9]) == {5, 6}
+            assert signing.cumulative()["loaded_blocks"] == 1
+            assert not cache[5].any() and not cache[6].any()
+            assert bytes(cache[9].numpy()) == good_payload
+            assert (cache[4] == 7).all()  # untouched
         finally:
             signing.close()
 

@@ -399,8 +399,32 @@ class SharedPoolWorker:
         checked[i] = (self._check_value(block_ids[i], keys[i], start + i, value),)
 
     def _prepare_load(self, block_ids, keys, start, checked, values) -> _ReadyLoad:
-        """Runs on the pool's load thread once every value is read: each
-        value's check (done as it landed, or now)."""
+        """Runs on the pool's load thread (or the watchdog's, for a load
+        past its deadline) once the load thread is done writing: each
+        value's check (done as it landed, or now).  With direct loads, a
+        block whose value failed is zeroed here (see _wipe)."""
+        try:
+            ready = self._check_load(block_ids, keys, start, checked, values)
+        except BaseException:
+            self._wipe(block_ids)  # every block is reported failed
+            raise
+        self._wipe(ready.failed_ids)
+        return ready
+
+    def _wipe(self, block_ids) -> None:
+        """Direct loads only: zero the KV blocks of failed values.  Their
+        bytes were read straight into the block (all of a refused value, or
+        part of one cut off), and may hold anything, NaN included.  vLLM
+        recomputes a failed block, but only its filled slots: a block freed
+        first (the request aborted or preempted), or the unfilled tail of a
+        partial block given to another request, would keep them, and the
+        attention kernel multiplies a masked slot's V by 0 (0 x NaN = NaN).
+        vLLM's own KV cache starts zeroed; zeros keep it finite."""
+        if self._cache_rows is not None:
+            for block_id in block_ids:
+                self._cache_rows[block_id].fill(0)
+
+    def _check_load(self, block_ids, keys, start, checked, values) -> _ReadyLoad:
         ready = _ReadyLoad(start=start)
         for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values)):
             done = checked[i]
