@@ -27,7 +27,9 @@ CHAIN_ROOT = b"vLLM shared KV pool chain root v1"
 # looked up again for this long; a transient failure (a dropped connection,
 # an evicted key, a load over the in-flight limit, a deadline) is not
 # remembered: the next request asks the pool again (the pool's own
-# back-off decides whether it goes to the network).
+# back-off decides whether it goes to the network).  The request whose load
+# failed never asks again from its first failed block on: it recomputes
+# (asking again at once, with the answer it had, looped on a missing key).
 REFUSED_TTL_S = 300.0
 ANSWER_TTL_S = 5.0  # a lookup's answer is reused for this long (same request)
 SPIN_S = 0.002  # asked again this soon: the engine is idle-spinning
@@ -73,6 +75,7 @@ class SharedPoolScheduler:
         self._storing: set[str] = set()
         self._loading: dict[str, tuple[list[int], list[bytes]]] = {}
         self._refused: dict[bytes, float] = {}  # chain hash -> when
+        self._failed_from: dict[str, int] = {}  # req -> first failed block
         self._load_start: dict[str, int] = {}
 
     def _chain(self, request) -> list[bytes]:
@@ -107,8 +110,10 @@ class SharedPoolScheduler:
             return 0, False  # e.g. prompt logprobs: every position computed
         chain = self._chain(request)
         start = num_computed_tokens // self.block_size
-        # Leave at least one token to compute.
+        # Leave at least one token to compute; never a block whose load
+        # failed for this request (it recomputes from there).
         last = min(len(chain), (request.num_tokens - 1) // self.block_size)
+        last = min(last, self._failed_from.get(request.request_id, last))
         if last <= start:
             return 0, False
         hits = last - start
@@ -240,10 +245,16 @@ class SharedPoolScheduler:
             for i, (block_id, h) in enumerate(zip(block_ids, chain)):
                 if block_id in refused:  # not looked up again (for a while)
                     self._refused[h] = now
-                if block_id in invalid and req_id in self._next_store:
+                if block_id not in invalid:
+                    continue
+                if req_id in self._next_store:
                     # Store it once recomputed (an honest value replaces a
                     # refused one that was deleted).
                     self._next_store[req_id] = min(self._next_store[req_id], start + i)
+                if req_id in self._requests:  # (not finished meanwhile)
+                    first = self._failed_from.get(req_id, start + i)
+                    self._failed_from[req_id] = min(first, start + i)
+                    self._answers.pop(req_id, None)
         if len(self._refused) > 100_000:
             self._refused = {
                 h: t for h, t in self._refused.items() if now - t < REFUSED_TTL_S
@@ -262,6 +273,7 @@ class SharedPoolScheduler:
             self._answers,
             self._asked_since,
             self._last_ask,
+            self._failed_from,
         ):
             table.pop(req_id, None)
         pending = self._pending.pop(req_id, None)
