@@ -131,8 +131,10 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "XXH3-64 with the optional xxhash package, else CRC-32, and an\n"
             "optional keyed MAC), validated configuration, classified\n"
             "failures, and a pool client whose lookups, stores and loads all\n"
-            "run on background threads.",
-            ["0001", "0002", "0003", "0004", "0005"],
+            "run on background threads, each job with a deadline: a bounded\n"
+            "RESP reader, cluster-aware raw pipelines, health gates with\n"
+            "back-off and a watchdog, one rate-limited logger.",
+            ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"],
         ),
         (
             "[KVConnector] SharedKVPoolConnector: share KV blocks across nodes",
@@ -144,7 +146,7 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "its blocks until the load has landed. On CPU, values are read\n"
             "from the socket straight into their KV blocks.\n\n"
             "Semantics of PR #16159, reworked.",
-            ["0006", "0007", "0008", "0009", "0010", "0011"],
+            ["0010", "0011", "0012", "0013", "0014", "0015"],
         ),
     ],
     "pp-kv-budget": [
@@ -174,7 +176,7 @@ LATEST_COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
         (
             COMMITS["shared-pool"][0][0],
             COMMITS["shared-pool"][0][1],
-            ["0004", "0005", "0006", "0007", "0008"],
+            ["0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012"],
         ),
         (
             COMMITS["shared-pool"][1][0],
@@ -182,7 +184,7 @@ LATEST_COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             + "\n\nOn this release the connector asks for the BLHNC KV cache\n"
             "layout (get_required_kvcache_layout) and moves a block as one run\n"
             "when the layers' pages are contiguous; otherwise per layer.",
-            ["0009", "0010", "0011", "0012", "0013"],
+            ["0013", "0014", "0015", "0016", "0017"],
         ),
     ],
     # the upstream tests are not staged (0.11.2's APIs; stage_latest.py)

@@ -511,7 +511,7 @@ EDITS = {
 class Source:
     """One diff of patches/series."""
 
-    name: str  # e.g. "shared-pool/0005-kv_connector-v1-shared_pool-pool.patch"
+    name: str  # e.g. "shared-pool/0009-kv_connector-v1-shared_pool-pool.patch"
     path: str  # the upstream file it adds or edits
     new: bool
     text: str  # the whole file, for a new one

@@ -1,0 +1,223 @@
+"""Shared KV pool soak: the chaos test's nodes, workload and fault injector
+(tests/support/chaos_*.py) run for ``--minutes``, in windows that alternate
+between fault-free and faulty (the order flips every repeat: ABBA), so
+both see the same machine over time.
+
+Each window sends its own prompts (the same seeded mix of prefix-sharing
+and unrelated requests, a tag keeps windows from sharing prefixes); a
+faulty window injects a seeded schedule of faults (SIGSTOP/SIGCONT, kill
+and restart, CLIENT PAUSE, maxmemory, values overwritten with wrong,
+unsigned or other-layout bytes), each followed by the pool-resumes check.
+TTFT percentiles are over the background requests (the same mix in both
+kinds of window; probes and victims excluded), measured by the engine
+(request added -> first token).  At the end every prompt is computed by a
+stock engine (tokens compared), and the nodes report their blocks and pool
+threads.
+
+    python benchmarks/soak_pool.py --minutes 5 [--repeats 3] [--seed 19]
+        [--json out.json] [--logs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support.chaos_cluster import Cluster  # noqa: E402
+from support.chaos_faults import KINDS, FaultInjector, schedule  # noqa: E402
+from support.chaos_report import (  # noqa: E402
+    equals_stock,
+    finish,
+    percentile,
+    problems,
+    stock_tokens,
+)
+from support.chaos_run import ERROR_COUNTERS, Episode  # noqa: E402
+from support.chaos_workload import Workload  # noqa: E402
+
+BACKGROUND = ("family", "unrelated")
+FAULT_EVERY_S = 12.0  # about one fault per this many seconds of a faulty window
+
+
+def counters(episode: Episode) -> dict[str, int]:
+    """Both pool nodes' error counters (scheduler and worker pools), now."""
+    out = dict.fromkeys(ERROR_COUNTERS, 0)
+    for j in range(len(episode.nodes)):
+        totals = episode.stats(j)["totals"]
+        for role in ("scheduler", "worker"):
+            for k in ERROR_COUNTERS:
+                out[k] += totals.get(role, {}).get(k, 0)
+    return out
+
+
+def window(cluster, injector, seed: int, tag: str, seconds: float, faulty: bool):
+    workload = Workload(seed, tag=tag)
+    episode = Episode(cluster, workload, injector, seed=seed)
+    before = counters(episode)
+    start = time.monotonic()
+    plan = []
+    if faulty:  # the kinds in turn across windows
+        n = max(1, round(seconds / FAULT_EVERY_S))
+        plan = schedule(seed, n, first=sum(injector.counts.values()))
+    episode.run(plan, tail_s=0.0, min_s=seconds)  # the same length either way
+    after = counters(episode)
+    return {
+        "tag": tag,
+        "faulty": faulty,
+        "episode": episode,
+        "seconds": time.monotonic() - start,
+        "errors": {k: after[k] - before[k] for k in ERROR_COUNTERS},
+    }
+
+
+def table(rows: list[tuple[str, str, str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=3.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=19)
+    ap.add_argument("--json", help="write the raw figures here")
+    ap.add_argument("--logs", help="keep the nodes' logs in this folder")
+    args = ap.parse_args()
+    seconds = args.minutes * 60 / (2 * args.repeats)
+    windows = []
+    wall = time.monotonic()
+    with (
+        tempfile.TemporaryDirectory(prefix="soak-pool-") as tmp,
+        Cluster(pathlib.Path(args.logs or tmp)) as cluster,
+    ):
+        cluster.wait_ready()
+        injector = FaultInjector(cluster.server, cluster.mac_key, args.seed)
+        for r in range(args.repeats):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            for faulty in order:
+                tag = f"r{r}{'x' if faulty else 'o'}"
+                print(
+                    f"window {tag} ({'faults' if faulty else 'no faults'})", flush=True
+                )
+                windows.append(
+                    window(cluster, injector, args.seed + r, tag, seconds, faulty)
+                )
+        episodes = [w["episode"] for w in windows]
+        finals = finish(episodes[0])
+        stock = stock_tokens(cluster.stock, episodes)
+        found = problems(episodes, finals, stock)
+    wall = time.monotonic() - wall
+    figures = {
+        k: summarize([w for w in windows if w["faulty"] is k], stock)
+        for k in (False, True)
+    }
+    faults = {kind: 0 for kind in KINDS}
+    for w in windows:
+        for f in w["episode"].faults:
+            faults[f["kind"]] += 1
+    print()
+    print(render(figures, faults, args, wall))
+    print(f"\nproblems: {len(found)}")
+    for p in found:
+        print(" -", p.splitlines()[0])
+    if args.json:
+        pathlib.Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "figures": {str(k): v for k, v in figures.items()},
+                    "faults": faults,
+                    "problems": found,
+                    "finals": finals,
+                    "resumed_after_s": [
+                        (f["kind"], f["resumed_after_s"])
+                        for w in windows
+                        for f in w["episode"].faults
+                    ],
+                },
+                indent=1,
+                default=str,
+            )
+        )
+
+
+def summarize(windows: list[dict], stock: dict) -> dict:
+    sent = [s for w in windows for s in w["episode"].sent.values()]
+    background = [s for s in sent if s.req.kind in BACKGROUND and s.result]
+    ttft = [s.result["ttft"] for s in background if s.result["ttft"] is not None]
+    errors = dict.fromkeys(ERROR_COUNTERS, 0)
+    for w in windows:
+        for k, v in w["errors"].items():
+            errors[k] += v
+    return {
+        "windows": len(windows),
+        "seconds": sum(w["seconds"] for w in windows),
+        "sent": len(sent),
+        "served": sum(1 for s in sent if s.result),
+        "timed_out": sum(1 for s in sent if s.timed_out),
+        "mismatched": sum(
+            1 for s in sent if s.result and not equals_stock(s.result, stock[s.req.id])
+        ),
+        "ttft_n": len(ttft),
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 1) if ttft else None,
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1) if ttft else None,
+        "errors": errors,
+    }
+
+
+def render(figures: dict, faults: dict, args, wall: float) -> str:
+    free, faulty = figures[False], figures[True]
+    rows = [("", "fault-free", "with faults")]
+    rows.append(
+        (
+            "windows (s of traffic)",
+            f"{free['windows']} ({free['seconds']:.0f})",
+            f"{faulty['windows']} ({faulty['seconds']:.0f})",
+        )
+    )
+    rows.append(
+        (
+            "requests served / sent",
+            f"{free['served']} / {free['sent']}",
+            f"{faulty['served']} / {faulty['sent']}",
+        )
+    )
+    for name, key in (
+        ("past their deadline", "timed_out"),
+        ("tokens != stock", "mismatched"),
+    ):
+        rows.append((name, str(free[key]), str(faulty[key])))
+    for q in ("p50", "p99"):
+        rows.append(
+            (
+                f"TTFT {q}, ms (n={free['ttft_n']} / {faulty['ttft_n']})",
+                str(free[f"ttft_{q}_ms"]),
+                str(faulty[f"ttft_{q}_ms"]),
+            )
+        )
+    for kind, n in faults.items():
+        rows.append((f"faults injected: {kind}", "0", str(n)))
+    for k in ERROR_COUNTERS:
+        rows.append(
+            (f"pool counter: {k}", str(free["errors"][k]), str(faulty["errors"][k]))
+        )
+    head = (
+        f"soak_pool.py --minutes {args.minutes:g} --repeats {args.repeats} "
+        f"--seed {args.seed}: {wall / 60:.1f} min wall"
+    )
+    return head + "\n\n" + table(rows)
+
+
+if __name__ == "__main__":
+    main()
