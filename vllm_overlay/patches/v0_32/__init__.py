@@ -4,9 +4,11 @@ framework; the overlay adds only what it lacks, through its interfaces."""
 
 from __future__ import annotations
 
-from vllm_overlay.patches.v0_32 import patch_cpu_attn
+from vllm_overlay.patches.v0_32 import patch_cpu_attn, patch_cpu_offload_spec
 
 MODULES = (
     # Cross-layer KV blocks on the CPU platform
     patch_cpu_attn,
+    # Upstream's OffloadingConnector on the CPU platform
+    patch_cpu_offload_spec,
 )
