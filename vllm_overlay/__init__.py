@@ -1,4 +1,5 @@
-"""vllm-overlay: cross-layer KV blocks and fast KV transfers for vLLM 0.11.2.
+"""vllm-overlay: cross-layer KV blocks and fast KV transfers for vLLM 0.11.2,
+and on vLLM 0.32 what upstream still lacks.
 
 ``register`` is the ``vllm.general_plugins`` entry point.  vLLM calls it in the
 front end, in the EngineCore and in every worker; it may be called more than
@@ -12,10 +13,14 @@ import threading
 
 from vllm_overlay import envs
 from vllm_overlay.version_gate import (  # noqa: F401  (re-exported)
+    RELEASES,
+    SUPPORTED_RELEASES,
     UnsupportedVLLMVersion,
     env_features,
+    feature_runs_on,
     installed_vllm_version,
     is_supported_version,
+    release_entry,
     supported_text,
     unsupported_error,
     unsupported_message,
@@ -51,7 +56,8 @@ def register() -> str:
             logger.info("vllm-overlay: %s; stock vLLM", _outcome)
             return _outcome
         version = vllm_version()
-        if not is_supported_version(version):
+        entry = release_entry(version)
+        if entry is None:
             refused = env_features()
             if refused:
                 raise unsupported_error(refused, version)
@@ -65,11 +71,22 @@ def register() -> str:
             )
             _outcome = f"unsupported vLLM {version}"
             return _outcome
-        from vllm_overlay.connectors import register_connectors
         from vllm_overlay.patches import apply_all
 
-        apply_all()
-        register_connectors()
+        apply_all(entry)
+        if feature_runs_on("connectors", version):
+            from vllm_overlay.connectors import register_connectors
+
+            register_connectors()
+        else:  # what runs on other releases only is refused at startup
+            from vllm_overlay import unsupported
+
+            unsupported.install()
         _outcome = "applied"
-        logger.info("vllm-overlay %s applied to vLLM %s", __version__, version)
+        logger.info(
+            "vllm-overlay %s applied to vLLM %s (patch set %s)",
+            __version__,
+            version,
+            RELEASES[entry],
+        )
         return _outcome

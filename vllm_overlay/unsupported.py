@@ -1,11 +1,15 @@
-"""What ``register()`` installs on a vLLM the overlay does not support.
+"""What ``register()`` installs on a vLLM the overlay does not support, and
+on a supported one for the features that do not run there
+(``version_gate.FEATURE_RELEASES``: on 0.32, the overlay's own connectors
+and the PP flag so far).
 
-Nothing of vLLM is patched there and a configuration without overlay
-features runs stock vLLM.  A configuration that asks for the overlay must
-not run stock vLLM silently, nor run the overlay's connectors against vLLM
-internals they were not written for: it gets one startup error naming the
-supported versions (``version_gate.unsupported_error``).  Each refusal sits
-on one of vLLM's public extension points:
+On an unsupported vLLM nothing of vLLM is patched and a configuration
+without overlay features runs stock vLLM.  A configuration that asks for
+the overlay must not run stock vLLM silently, nor run the overlay's
+connectors against vLLM internals they were not written for: it gets one
+startup error naming the supported versions
+(``version_gate.unsupported_error``).  Each refusal sits on one of vLLM's
+public extension points:
 
 - the overlay's connector and offloading-spec names are registered with
   vLLM's factories (the plugin API) and resolve to this module, whose
@@ -31,10 +35,11 @@ import logging
 
 from vllm_overlay.version_gate import (
     CONNECTORS,
+    FEATURE_RELEASES,
     OFFLOADING_SPECS,
-    engine_features,
+    engine_refusal,
     installed_vllm_version,
-    supported_text,
+    listed,
     unsupported_error,
 )
 
@@ -46,11 +51,14 @@ _GUARD = "_vllm_overlay_version_gate"
 def __getattr__(name: str):
     # vLLM's factories resolve a registered name with getattr(module, name).
     if name in CONNECTORS:
-        raise unsupported_error([f"kv_connector {name!r}"], installed_vllm_version())
+        raise unsupported_error(
+            [f"kv_connector {name!r}"], installed_vllm_version(), "connectors"
+        )
     if name in OFFLOADING_SPECS:
         raise unsupported_error(
             [f"kv_connector_extra_config spec_name {name!r}"],
             installed_vllm_version(),
+            "connectors",
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -94,9 +102,9 @@ def _guard_engine_config() -> None:
 
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
-        features = engine_features(self)
-        if features:
-            raise unsupported_error(features, installed_vllm_version())
+        error = engine_refusal(self, installed_vllm_version())
+        if error is not None:
+            raise error
         return original(self, *args, **kwargs)
 
     setattr(create_engine_config, _GUARD, True)
@@ -109,7 +117,9 @@ class _RefusedFlag(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        error = unsupported_error([option_string], installed_vllm_version())
+        error = unsupported_error(
+            [option_string], installed_vllm_version(), "pp_prop_kv_cache"
+        )
         raise argparse.ArgumentError(self, str(error))
 
 
@@ -129,8 +139,9 @@ def _guard_cli_flag() -> None:
             pp_kv.CLI_FLAG,
             "--no-" + pp_kv.CLI_FLAG[2:],
             action=_RefusedFlag,
-            help=f"(vllm-overlay) Not available: needs vLLM {supported_text()}, "
-            f"this is vLLM {installed_vllm_version()}.",
+            help="(vllm-overlay) Not available: needs vLLM "
+            f"{listed(FEATURE_RELEASES['pp_prop_kv_cache'])}, this is vLLM "
+            f"{installed_vllm_version()}.",
         )
         return parser
 

@@ -11,7 +11,9 @@ Importing this module imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-SUPPORTED_RELEASES: tuple[str, ...] = ("0.11.2",)
+# Each supported release and its patch set (``vllm_overlay/patches/<set>``).
+RELEASES: dict[str, str] = {"0.11.2": "v0_11_2", "0.32.x": "v0_32"}
+SUPPORTED_RELEASES: tuple[str, ...] = tuple(RELEASES)
 
 # What a user can configure that only the overlay provides: the names vLLM's
 # factories resolve (and the PP KV budget's option, integration/pp_kv).
@@ -39,6 +41,16 @@ OFFLOADING_SPECS = {
 }
 
 
+# Features that run on some supported releases only: on the others they are
+# refused at startup like an unsupported vLLM, naming where they run.  On
+# 0.32 upstream has its own offloading connector, and the overlay adds to it
+# through upstream's interfaces instead (patches/v0_32).
+FEATURE_RELEASES: dict[str, tuple[str, ...]] = {
+    "connectors": ("0.11.2",),  # CONNECTORS, OFFLOADING_SPECS
+    "pp_prop_kv_cache": ("0.11.2",),  # --enable-pp-prop-kv-cache
+}
+
+
 class UnsupportedVLLMVersion(RuntimeError):
     pass
 
@@ -50,31 +62,48 @@ def _parse(entry: str) -> tuple[tuple[int, ...], bool]:
     return tuple(int(part) for part in parts.split(".")), prefix
 
 
-def is_supported_version(version: str | None) -> bool:
+def release_entry(
+    version: str | None, entries: tuple[str, ...] | None = None
+) -> str | None:
+    """The entry of ``entries`` (default: ``SUPPORTED_RELEASES``) that
+    ``version`` belongs to, or None."""
     from packaging.version import InvalidVersion, Version
 
     if version is None:
-        return False
+        return None
     try:
         parsed = Version(version)
     except InvalidVersion:
-        return False
+        return None
     if parsed.pre is not None or parsed.dev is not None:
-        return False
-    for entry in SUPPORTED_RELEASES:
+        return None
+    for entry in SUPPORTED_RELEASES if entries is None else entries:
         release, prefix = _parse(entry)
         if prefix and parsed.release[: len(release)] == release:
-            return True
+            return entry
         if not prefix and parsed.release == release:
-            return True
-    return False
+            return entry
+    return None
+
+
+def is_supported_version(version: str | None) -> bool:
+    return release_entry(version) is not None
+
+
+def feature_runs_on(feature: str, version: str | None) -> bool:
+    """Whether ``feature`` (a key of FEATURE_RELEASES) runs on ``version``."""
+    return release_entry(version, FEATURE_RELEASES[feature]) is not None
+
+
+def listed(entries: tuple[str, ...]) -> str:
+    if len(entries) == 1:
+        return entries[0]
+    return ", ".join(entries[:-1]) + " or " + entries[-1]
 
 
 def supported_text() -> str:
     """``0.11.2``; ``0.11.2 or 0.32.x`` once there are two."""
-    if len(SUPPORTED_RELEASES) == 1:
-        return SUPPORTED_RELEASES[0]
-    return ", ".join(SUPPORTED_RELEASES[:-1]) + " or " + SUPPORTED_RELEASES[-1]
+    return listed(SUPPORTED_RELEASES)
 
 
 def installed_vllm_version() -> str | None:
@@ -96,10 +125,22 @@ def unsupported_message(version: str | None) -> str:
 
 
 def unsupported_error(
-    features: list[str], version: str | None
+    features: list[str], version: str | None, feature: str | None = None
 ) -> UnsupportedVLLMVersion:
-    """The startup error for overlay features configured on this vLLM."""
+    """The startup error for overlay features configured on this vLLM (of
+    the family ``feature``, a key of FEATURE_RELEASES, when the overlay
+    supports this vLLM but not that feature on it)."""
     them = "it" if len(features) == 1 else "them"
+    if feature is not None and is_supported_version(version):
+        where = listed(FEATURE_RELEASES[feature])
+        what = "this overlay feature runs" if them == "it" else "these run"
+        patch_set = RELEASES[release_entry(version)]
+        return UnsupportedVLLMVersion(
+            f"{', '.join(features)}: {what} on vLLM {where} only; found vLLM "
+            f"{version}, where the overlay adds only what upstream lacks "
+            f"(vllm_overlay/patches/{patch_set}; PATCHES.md). Install vLLM "
+            f"{where}, or remove {them}."
+        )
     return UnsupportedVLLMVersion(
         f"{unsupported_message(version)}. This configuration uses the overlay, "
         f"which does not run on it: {', '.join(features)}. Install vLLM "
@@ -164,15 +205,38 @@ def kv_transfer_features(kv_transfer_config) -> list[str]:
     return found
 
 
-def engine_features(engine_args) -> list[str]:
-    """Overlay features configured in ``EngineArgs`` (or a ``VllmConfig``)."""
+def pp_features(engine_args) -> list[str]:
     from vllm_overlay.integration import pp_kv
 
-    found = kv_transfer_features(_field(engine_args, "kv_transfer_config"))
     additional = _field(engine_args, "additional_config")
     if isinstance(additional, dict) and pp_kv.FLAG in additional:
-        found.append(
+        return [
             f"additional_config[{pp_kv.FLAG!r}] = {additional[pp_kv.FLAG]!r} "
             f"({pp_kv.CLI_FLAG})"
-        )
-    return found
+        ]
+    return []
+
+
+def engine_features(engine_args) -> list[str]:
+    """Overlay features configured in ``EngineArgs`` (or a ``VllmConfig``)."""
+    return kv_transfer_features(
+        _field(engine_args, "kv_transfer_config")
+    ) + pp_features(engine_args)
+
+
+def engine_refusal(engine_args, version: str | None) -> UnsupportedVLLMVersion | None:
+    """The startup error for the overlay features ``engine_args`` configures
+    that do not run on ``version`` (None: none)."""
+    groups = {
+        "connectors": kv_transfer_features(_field(engine_args, "kv_transfer_config")),
+        "pp_prop_kv_cache": pp_features(engine_args),
+    }
+    refused = [
+        (family, found)
+        for family, found in groups.items()
+        if found and not feature_runs_on(family, version)
+    ]
+    if not refused:
+        return None
+    features = [text for _, found in refused for text in found]
+    return unsupported_error(features, version, refused[0][0])

@@ -7,7 +7,8 @@ import re
 import sys
 
 from vllm_overlay.catalogue import render_markdown
-from vllm_overlay.patches import MODULES, all_patches
+from vllm_overlay.patches import all_patches, modules
+from vllm_overlay.version_gate import RELEASES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -21,13 +22,14 @@ def test_patches_md_is_generated_from_the_code():
 
 
 def test_ids_unique_and_one_file_per_upstream_module():
-    ids = [p.id for p in all_patches()]
-    assert len(ids) == len(set(ids))
-    upstream = [m.MODULE for m in MODULES]
-    assert len(upstream) == len(set(upstream))
-    for module in MODULES:
-        assert module.__name__.rsplit(".", 1)[1].startswith("patch_")
-        assert all(p.module == module.MODULE for p in module.PATCHES)
+    ids = [p.id for entry in RELEASES for p in all_patches(entry)]
+    assert len(ids) == len(set(ids))  # across the sets too
+    for entry in RELEASES:
+        upstream = [m.MODULE for m in modules(entry)]
+        assert len(upstream) == len(set(upstream))
+        for module in modules(entry):
+            assert module.__name__.rsplit(".", 1)[1].startswith("patch_")
+            assert all(p.module == module.MODULE for p in module.PATCHES)
 
 
 def test_every_patch_has_a_test_that_fails_without_it():
@@ -57,7 +59,7 @@ def test_every_patch_has_a_test_that_fails_without_it():
 
 def test_catalogue_lists_every_patch_with_all_fields():
     md = render_markdown()
-    for patch in all_patches():
+    for patch in (p for entry in RELEASES for p in all_patches(entry)):
         section = re.search(
             rf"### {patch.id}: `{re.escape(patch.target)}`"
             r"(.*?)(?=\n### |\n## |\Z)",

@@ -47,7 +47,7 @@ def make(overlay):
 def test_ec01_idle_engine_waits_instead_of_spinning(make):
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_overlay.patches.patch_engine_core import IDLE_WAIT_S
+    from vllm_overlay.patches.v0_11_2.patch_engine_core import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
     engine = engine_shell(sched)
@@ -69,7 +69,7 @@ def test_ec01_idle_engine_waits_instead_of_spinning(make):
 def test_ec02_idle_batch_queue_engine_waits_instead_of_spinning(make):
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_overlay.patches.patch_engine_core import IDLE_WAIT_S
+    from vllm_overlay.patches.v0_11_2.patch_engine_core import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
     engine = engine_shell(sched, batch_queue=True)
@@ -85,7 +85,7 @@ def test_ec01_wakes_on_the_connector_hook(make):
     waits on it with the bound and goes on the moment it returns."""
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_overlay.patches.patch_engine_core import IDLE_WAIT_S
+    from vllm_overlay.patches.v0_11_2.patch_engine_core import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
     calls = []
@@ -114,7 +114,7 @@ def test_never_waits_while_a_request_can_run(make):
 
 
 def test_never_waits_once_a_load_landed_or_with_finished_requests(make):
-    from vllm_overlay.patches.patch_engine_core import waits_only_for_remote_kv
+    from vllm_overlay.patches.v0_11_2.patch_engine_core import waits_only_for_remote_kv
 
     sched, a, out = parked_load(make)
     assert waits_only_for_remote_kv(sched)

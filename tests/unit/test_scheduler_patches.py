@@ -26,7 +26,7 @@ def make(overlay):
 
 @pytest.mark.patch_test("KV-01")
 def test_kv01_parked_request_keeps_a_deficit(make):
-    from vllm_overlay.patches.patch_kv_cache_manager import parked_deficits
+    from vllm_overlay.patches.v0_11_2.patch_kv_cache_manager import parked_deficits
 
     sched, a, out = parked_load(make)
     manager = sched.kv_cache_manager
@@ -111,7 +111,7 @@ def test_kv04_stock_schedules_it_as_new(make):
 
 @pytest.mark.patch_test("KV-02")
 def test_kv02_aborted_parked_request_releases_its_promise(make):
-    from vllm_overlay.patches.patch_kv_cache_manager import parked_deficits
+    from vllm_overlay.patches.v0_11_2.patch_kv_cache_manager import parked_deficits
 
     sched, a, _ = parked_load(make)
     sched.finish_requests("A", status("FINISHED_ABORTED"))

@@ -17,7 +17,7 @@ import torch
 
 from vllm_overlay.core.kv_layout import CrossLayerKVLayout
 from vllm_overlay.integration.cross_layer import name_kv_cache_dims
-from vllm_overlay.patches import patch_flashinfer
+from vllm_overlay.patches.v0_11_2 import patch_flashinfer
 
 BACKENDS = "vllm.v1.attention.backends"
 N, B, H, D, L = 5, 16, 2, 64, 3  # odd block count on purpose

@@ -22,10 +22,10 @@ from vllm_overlay import version_gate
 
 VERSION = "0.12.0"
 HEAD = (
-    f"vllm-overlay 0.1.0 supports vLLM 0.11.2 only; found vLLM {VERSION}. "
+    f"vllm-overlay 0.1.0 supports vLLM 0.11.2 or 0.32.x only; found vLLM {VERSION}. "
     "This configuration uses the overlay, which does not run on it: "
 )
-TAIL = " Install vLLM 0.11.2, or remove it to run stock vLLM."
+TAIL = " Install vLLM 0.11.2 or 0.32.x, or remove it to run stock vLLM."
 
 PRELUDE = """
 import contextlib, io, json, sys, vllm
@@ -247,15 +247,19 @@ def test_no_overlay_feature_runs_stock_vllm():
     assert len(results["tokens"]) == 6
     assert results["patch_states"] == 0  # nothing of vLLM patched
     assert results["outcome"] == f"unsupported vLLM {VERSION}"
-    warning = f"supports vLLM 0.11.2 only; found vLLM {VERSION}: nothing patched"
+    warning = (
+        f"supports vLLM 0.11.2 or 0.32.x only; found vLLM {VERSION}: nothing patched"
+    )
     assert log.count(warning) == 1  # one warning, in the one process
     assert results["factory_by_name"] == refused("kv_connector 'SharedKVPoolConnector'")
 
 
-def test_supported_set_is_one_list(monkeypatch):
-    """A later release line is one entry in SUPPORTED_RELEASES."""
-    monkeypatch.setattr(version_gate, "SUPPORTED_RELEASES", ("0.11.2", "0.32.x"))
+def test_supported_set_is_one_list():
+    """Each release line is one entry of RELEASES (with its patch set)."""
+    assert version_gate.SUPPORTED_RELEASES == ("0.11.2", "0.32.x")
     assert version_gate.supported_text() == "0.11.2 or 0.32.x"
+    assert version_gate.release_entry("0.32.0+cpu") == "0.32.x"
+    assert version_gate.release_entry("0.11.2+cpu") == "0.11.2"
     assert version_gate.is_supported_version("0.32.0")
     assert version_gate.is_supported_version("0.32.4+cu129")
     assert version_gate.is_supported_version("0.11.2")
@@ -279,3 +283,21 @@ def test_doctor_says_an_overlay_switch_is_an_error(monkeypatch):
         "unsupported vLLM 0.12.0; an error: VLLM_OVERLAY_SKIP_PATCHES=CL-06"
     )
     assert _expected_outcome("0.11.2") == "applied"
+
+
+def test_a_feature_of_one_release_is_refused_on_the_other():
+    """On 0.32 the overlay's own connectors and the PP flag do not run
+    (tests/v0_32 checks the refusals on real vLLM 0.32)."""
+    assert version_gate.feature_runs_on("connectors", "0.11.2")
+    assert not version_gate.feature_runs_on("connectors", "0.32.0")
+    assert not version_gate.feature_runs_on("pp_prop_kv_cache", "0.32.0")
+    error = str(
+        version_gate.unsupported_error(["kv_connector 'X'"], "0.32.0", "connectors")
+    )
+    assert "runs on vLLM 0.11.2 only; found vLLM 0.32.0" in error
+    assert "vllm_overlay/patches/v0_32" in error
+    # Where the release itself is not supported, the general error.
+    error = str(
+        version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0", "connectors")
+    )
+    assert "supports vLLM 0.11.2 or 0.32.x only; found vLLM 0.12.0" in error

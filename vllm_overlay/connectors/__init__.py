@@ -1,9 +1,9 @@
 """KV connectors shipped with the overlay, registered with vLLM's factory.
 
 Python runs this file before any connector module, so importing one of them
-on a vLLM the overlay does not support is the startup error naming the
-supported versions: ``kv_connector_module_path`` cannot run a connector
-against vLLM internals it was not written for.
+on a vLLM they do not run on (``version_gate.FEATURE_RELEASES``) is the
+startup error naming the versions they run on: ``kv_connector_module_path``
+cannot run a connector against vLLM internals it was not written for.
 """
 
 from __future__ import annotations
@@ -11,17 +11,19 @@ from __future__ import annotations
 from vllm_overlay.version_gate import (
     CONNECTORS,
     OFFLOADING_SPECS,
+    feature_runs_on,
     installed_vllm_version,
-    is_supported_version,
     unsupported_error,
 )
 
 
 def _require_supported_vllm() -> None:
     version = installed_vllm_version()
-    if version is not None and not is_supported_version(version):
+    if version is not None and not feature_runs_on("connectors", version):
         raise unsupported_error(
-            [f"the overlay's KV connectors (module {__name__})"], version
+            [f"the overlay's KV connectors (module {__name__})"],
+            version,
+            "connectors",
         )
 
 

@@ -1,60 +1,45 @@
-"""The runtime patches, in the order they are applied (the manifest).
+"""The runtime patches: one set per supported vLLM release.
 
-One ``patch_<module>.py`` per upstream module; each lists its ``PATCHES``
-with their catalogue entries.  ``PATCHES.md`` is generated from them
+Each set is a package (``v0_11_2``, ``v0_32``) of ``patch_<module>.py``
+files, one per upstream module, and a manifest (``MODULES``, in the order
+the patches are applied).  ``version_gate.RELEASES`` says which set runs on
+which vLLM; ``PATCHES.md`` is generated from all of them
 (``python -m vllm_overlay catalogue``).
 """
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 from vllm_overlay import envs
 from vllm_overlay.core.patching import REGISTRY, Patch
-from vllm_overlay.patches import (
-    patch_abstract,
-    patch_arg_utils,
-    patch_cpu_attn,
-    patch_cpu_worker,
-    patch_engine_core,
-    patch_flash_attn,
-    patch_flashinfer,
-    patch_gpu_model_runner,
-    patch_gpu_worker,
-    patch_kv_cache_manager,
-    patch_kv_connector_base,
-    patch_mla_common,
-    patch_mla_indexer,
-    patch_scheduler,
-)
-
-MODULES = (
-    # Cross-layer KV blocks (vLLM RFC #27742 / PR #27743)
-    patch_abstract,
-    patch_flash_attn,
-    patch_flashinfer,
-    patch_mla_common,
-    patch_mla_indexer,
-    patch_cpu_attn,
-    patch_kv_connector_base,
-    patch_gpu_model_runner,
-    # Pipeline-parallel KV budget (vLLM PR #25164)
-    patch_arg_utils,
-    patch_gpu_worker,
-    patch_cpu_worker,
-    # Async KV loads under KV pressure (offloading, shared pool)
-    patch_kv_cache_manager,
-    patch_scheduler,
-    # No busy loop while requests only wait for async KV loads
-    patch_engine_core,
-)
+from vllm_overlay.version_gate import RELEASES, installed_vllm_version, release_entry
 
 
-def all_patches() -> list[Patch]:
-    return [patch for module in MODULES for patch in module.PATCHES]
+def patch_set(entry: str | None = None) -> ModuleType:
+    """The patch package of a supported release (``"0.11.2"``, ``"0.32.x"``;
+    default: the running vLLM's)."""
+    if entry is None:
+        entry = release_entry(installed_vllm_version())
+        if entry is None:
+            raise RuntimeError(f"vLLM {installed_vllm_version()} has no patch set")
+    return importlib.import_module(f"{__name__}.{RELEASES[entry]}")
 
 
-def apply_all() -> None:
-    """Register every patch (applied when its module is imported)."""
-    known = {patch.id for patch in all_patches()}
+def modules(entry: str | None = None) -> tuple[ModuleType, ...]:
+    return patch_set(entry).MODULES
+
+
+def all_patches(entry: str | None = None) -> list[Patch]:
+    return [patch for module in modules(entry) for patch in module.PATCHES]
+
+
+def apply_all(entry: str | None = None) -> None:
+    """Register every patch of the set (applied when its module is
+    imported)."""
+    patches = all_patches(entry)
+    known = {patch.id for patch in patches}
     skipped = set(envs.SKIP_PATCHES.items())
     unknown = skipped - known
     if unknown:
@@ -62,6 +47,6 @@ def apply_all() -> None:
             f"{envs.SKIP_PATCHES.name}: unknown patch ids "
             f"{sorted(unknown)}; known: {sorted(known)}"
         )
-    for patch in all_patches():
+    for patch in patches:
         reason = f"skipped by {envs.SKIP_PATCHES.name}" if patch.id in skipped else None
         REGISTRY.add(patch, skip_reason=reason)

@@ -11,7 +11,7 @@ stock layout is kept (``VLLM_USE_TRTLLM_ATTENTION=0`` turns them off).
 """
 
 from vllm_overlay.core.patching import Patch
-from vllm_overlay.patches.layout_orders import order_for_layout
+from vllm_overlay.patches.v0_11_2.layout_orders import order_for_layout
 
 MODULE = "vllm.v1.attention.backends.flashinfer"
 

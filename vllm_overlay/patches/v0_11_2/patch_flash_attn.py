@@ -8,7 +8,7 @@ TP rank's heads stay contiguous inside a block).
 """
 
 from vllm_overlay.core.patching import Patch
-from vllm_overlay.patches.layout_orders import order_for_layout
+from vllm_overlay.patches.v0_11_2.layout_orders import order_for_layout
 
 MODULE = "vllm.v1.attention.backends.flash_attn"
 

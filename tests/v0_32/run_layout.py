@@ -1,0 +1,81 @@
+"""One vLLM 0.32 run of the tiny Llama (CPU build), printed as JSON: two
+passes over prompts of 1 to 5 blocks (cold, then from the device prefix
+cache), greedy tokens with their logprobs and cached tokens, the KV cache
+layout vLLM resolved and what the worker's KV tensors really are.
+
+    python run_layout.py '{}'    # env: VLLM_KV_CACHE_LAYOUT, VLLM_OVERLAY_*
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
+from run_llm import prompts  # noqa: E402
+
+from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
+
+
+def inspect_worker(worker) -> dict:
+    """Runs in the worker: each attention layer's KV tensor."""
+    runner = worker.model_runner
+    layers = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        cache = getattr(layer, "kv_cache", None)
+        if cache is None:
+            continue
+        tensor = cache[0] if isinstance(cache, (list, tuple)) else cache
+        if tensor.numel():
+            layers[name] = {
+                "shape": list(tensor.shape),
+                "stride": list(tensor.stride()),
+                "storage": tensor.untyped_storage().data_ptr(),
+                "offset": tensor.storage_offset(),
+            }
+    return {
+        "layout": runner.cache_config.get_resolved_kv_cache_layout().name,
+        "layers": layers,
+    }
+
+
+def main(config: dict) -> dict:
+    cpu_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc fn
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=1024,
+        num_gpu_blocks_override=48,
+        enforce_eager=True,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    passes = []
+    for _ in range(2):  # the second pass hits the prefix cache
+        outs = llm.generate(prompts(), params, use_tqdm=False)
+        passes.append(
+            [
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "logprobs": [
+                        lp[t].logprob
+                        for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
+                    ],
+                    "cached_tokens": o.num_cached_tokens or 0,
+                }
+                for o in outs
+            ]
+        )
+    return {"passes": passes, "kv": llm.collective_rpc(inspect_worker)[0]}
+
+
+if __name__ == "__main__":
+    from result_out import emit
+
+    emit(main(json.loads(sys.argv[1])))

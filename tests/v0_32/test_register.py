@@ -1,0 +1,40 @@
+"""The overlay on vLLM 0.32: the 0.32 patch set is applied, and what runs
+on 0.11.2 only (the overlay's own connectors and offloading spec, also by
+module path; ``--enable-pp-prop-kv-cache`` in ``LLM`` and on the command
+line) is a startup error naming where it runs, never stock vLLM silently
+nor a connector against internals it was not written for."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run("run_refusals.py").result
+
+
+def test_the_0_32_patch_set_is_registered(result):
+    assert result["outcome"] == "applied"
+    assert set(result["patches"]) == {"CL32-01", "OF32-01"}
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("pool", "kv_connector 'SharedKVPoolConnector'"),
+        ("offload_connector", "kv_connector 'OverlayOffloadingConnector'"),
+        ("offload_spec", "spec_name 'OverlayCPUOffloadingSpec'"),
+        ("module_path", "kv_connector_module_path 'vllm_overlay.connectors"),
+        ("pp_flag", "(--enable-pp-prop-kv-cache)"),
+        ("cli_flag", "--enable-pp-prop-kv-cache"),
+    ],
+)
+def test_features_of_0_11_2_are_refused_at_startup(result, case, named):
+    outcome = result[case]
+    assert outcome["error"] in ("UnsupportedVLLMVersion", "ArgumentError")
+    message = outcome["message"]
+    assert named in message
+    assert "on vLLM 0.11.2 only; found vLLM 0.32.0" in message
+    assert "Install vLLM 0.11.2" in message

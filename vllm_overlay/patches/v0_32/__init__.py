@@ -1,0 +1,14 @@
+"""The runtime patches for vLLM 0.32.x, in the order they are applied (the
+manifest).  Upstream 0.32 has cross-layer blocks and a tiered offloading
+framework; the overlay adds only what it lacks, through its interfaces."""
+
+from __future__ import annotations
+
+from vllm_overlay.patches.v0_32 import patch_cpu_attn, patch_cpu_offload_spec
+
+MODULES = (
+    # Cross-layer KV blocks on the CPU platform
+    patch_cpu_attn,
+    # Upstream's OffloadingConnector on the CPU platform
+    patch_cpu_offload_spec,
+)
