@@ -228,8 +228,13 @@ def _parse(buf: bytes):
 
 def test_a_load_from_a_server_that_trickles_bytes_ends_at_its_deadline():
     server = TrickleServer(value_bytes=1000)
+    # Each read waits at most timeout_s (1.5 s) and a byte comes every 1 s,
+    # so no single read ever times out: only the whole job's deadline
+    # (io_timeout_s) can end the load.  (With timeout_s equal to the
+    # trickle interval, a late byte ended it after one read's timeout.)
+    config = dict(FAST, timeout_s=1.5)
     pool = KVPool(
-        PoolConfig(url=f"redis://127.0.0.1:{server.port}", io_timeout_s=2.0, **FAST)
+        PoolConfig(url=f"redis://127.0.0.1:{server.port}", io_timeout_s=3.0, **config)
     )
     try:
         start = time.monotonic()
@@ -238,7 +243,7 @@ def test_a_load_from_a_server_that_trickles_bytes_ends_at_its_deadline():
         took = time.monotonic() - start
         # Before: the load (and its request) waited for all 1000 bytes.
         assert job_id == "job" and values == [None, None]  # recompute
-        assert 1.5 < took < 4.0, took
+        assert 2.5 < took < 5.5, took
         assert server.gets >= 1
         assert all(pool.threads_alive().values())
         assert pool.state()["read"] == "slow"  # paused: no request waits on it
