@@ -17,3 +17,19 @@ def emit(result) -> None:
         with open(os.environ["OVERLAY_RESULT_FILE"], "w") as f:
             f.write(text)
     print("RESULT:" + text, flush=True)
+
+
+def records(outs) -> list[dict]:
+    """Per request of ``LLM.generate``'s outputs: greedy tokens, their
+    logprobs (``SamplingParams(logprobs=1)``) and the cached prompt tokens."""
+    return [
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [
+                lp[t].logprob
+                for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
+            ],
+            "cached_tokens": o.num_cached_tokens or 0,
+        }
+        for o in outs
+    ]

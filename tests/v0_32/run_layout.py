@@ -14,6 +14,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
+from result_out import records  # noqa: E402
 from run_llm import prompts  # noqa: E402
 
 from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
@@ -58,20 +59,7 @@ def main(config: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     passes = []
     for _ in range(2):  # the second pass hits the prefix cache
-        outs = llm.generate(prompts(), params, use_tqdm=False)
-        passes.append(
-            [
-                {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "logprobs": [
-                        lp[t].logprob
-                        for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                    ],
-                    "cached_tokens": o.num_cached_tokens or 0,
-                }
-                for o in outs
-            ]
-        )
+        passes.append(records(llm.generate(prompts(), params, use_tqdm=False)))
     return {"passes": passes, "kv": llm.collective_rpc(inspect_worker)[0]}
 
 

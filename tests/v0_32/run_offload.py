@@ -20,6 +20,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
+from result_out import records  # noqa: E402
 from run_llm import prompts  # noqa: E402
 
 from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
@@ -75,18 +76,7 @@ def main(config: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
 
     def run(batch: list[str] | None = None) -> list[dict]:
-        outs = llm.generate(batch or prompts(), params, use_tqdm=False)
-        return [
-            {
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[t].logprob
-                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                ],
-                "cached_tokens": o.num_cached_tokens or 0,
-            }
-            for o in outs
-        ]
+        return records(llm.generate(batch or prompts(), params, use_tqdm=False))
 
     def reset() -> bool | None:
         if kv is None:
