@@ -105,18 +105,10 @@ def main(config: dict) -> dict:
 
     def run() -> tuple[list[dict], list]:
         # One request at a time, as run_pool.py: the same schedule as stock.
+        from result_out import records
+
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts("shared")]
-        return [
-            {
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[t].logprob
-                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                ],
-                "cached_tokens": o.num_cached_tokens or 0,
-            }
-            for o in outs
-        ], outs
+        return records(outs), outs
 
     first, outputs = run()
     result: dict = {"passes": [first]}

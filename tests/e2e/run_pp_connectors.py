@@ -107,17 +107,11 @@ def main(config: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
 
     def results(outs) -> list[dict]:
+        from result_out import records
+
         return [
-            {
-                "prompt_tokens": len(o.prompt_token_ids),
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[t].logprob
-                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                ],
-                "cached_tokens": o.num_cached_tokens or 0,
-            }
-            for o in outs
+            {"prompt_tokens": len(o.prompt_token_ids), **r}
+            for o, r in zip(outs, records(outs))
         ]
 
     def batch(prompts: list[str]) -> list[dict]:

@@ -18,17 +18,16 @@ from support.redis_server import redis_server  # noqa: E402
 from unit.test_pool_io import _meta, _until, _worker  # noqa: E402
 from unit.test_pool_liveness import (  # noqa: E402
     BLOCK,
-    NS,
     _pool,
     _request,
     _scheduler,
     _serve,
+    _store_chain,
 )
 
 from vllm_overlay.connectors.shared_pool.common import (  # noqa: E402
     REFUSED_KEY,
     PoolConnectorStats,
-    pool_key,
     take_stats,
 )
 
@@ -98,12 +97,7 @@ def test_only_integrity_refusals_are_remembered(overlay):
         try:
             scheduler = _scheduler(pool)
             first = _request(1, blocks=6)
-            chain = scheduler._chain(first)
-            writer = _pool(server.url)
-            keys = [pool_key(NS, h, 0) for h in chain[:6]]
-            assert writer.submit_store([(k, b"v") for k in keys]) == 6
-            assert writer.drain()
-            writer.close()
+            _store_chain(server.url, first, 6)
             answers, _ = _serve(scheduler, [first], 0.5)
             assert answers["r1"][-1] == 6 * BLOCK
             # Block 2 failed for a transient reason, block 4 was refused.
@@ -131,12 +125,7 @@ def test_a_request_never_loads_again_what_its_load_failed(overlay):
         try:
             scheduler = _scheduler(pool)
             first = _request(1, blocks=6)
-            chain = scheduler._chain(first)
-            writer = _pool(server.url)
-            keys = [pool_key(NS, h, 0) for h in chain[:6]]
-            assert writer.submit_store([(k, b"v") for k in keys]) == 6
-            assert writer.drain()
-            writer.close()
+            _store_chain(server.url, first, 6)
             answers, _ = _serve(scheduler, [first], 0.5)
             assert answers["r1"][-1] == 6 * BLOCK
             ids = [10, 11, 12, 13, 14, 15]
