@@ -8,7 +8,10 @@ built on top of the series it needs (``DEPENDS``), committed with fixed
 dates (so the mboxes are reproducible byte for byte), and written to
 ``patches/mbox/<series>.mbox``.  ``--check`` rebuilds into a temporary
 folder, compares, and then ``git am``s every mbox onto a clean tree in
-``ORDER``.
+``ORDER``.  patches/latest's mboxes (``LATEST``: one commit per series of
+``stage_latest.py``) are not committed (``committed=False``): they are built
+from its diffs, into ``patches/latest/mbox/`` (git-ignored) on request and
+into a temporary folder by ``--check``, which ``git am``s them.
 
     python patches/tools/build_mbox.py [--check]
     python patches/tools/build_mbox.py --markdown   # README.md's PR section
@@ -28,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import check_upstream  # noqa: E402
 import fetch_sdist  # noqa: E402
+import latest_verify  # noqa: E402
 import stage_latest  # noqa: E402
 
 PATCHES = check_upstream.PATCHES
@@ -162,36 +166,55 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
 }
 
-# patches/latest (stage_latest.py): the same features on the newest release
-LATEST_COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
-    "shared-pool": [
-        (
-            "[KVConnector] Block gather/scatter helpers for whole-block KV moves",
-            "Tables that describe a KV block as one run (block-outermost\n"
-            "layouts such as BLHNC) or one run per layer and K/V, and Triton /\n"
-            "copy-engine gather and scatter between the device cache and a\n"
-            "packed host buffer. Used by the shared KV pool connector below.",
-            ["0001", "0002", "0003"],
-        ),
-        (
-            COMMITS["shared-pool"][0][0],
-            COMMITS["shared-pool"][0][1],
-            ["0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012"],
-        ),
-        (
-            COMMITS["shared-pool"][1][0],
-            COMMITS["shared-pool"][1][1]
-            + "\n\nOn this release the connector asks for the BLHNC KV cache\n"
-            "layout (get_required_kvcache_layout) and moves a block as one run\n"
-            "when the layers' pages are contiguous; otherwise per layer.",
-            ["0013", "0014", "0015", "0016", "0017"],
-        ),
-    ],
-    # the upstream tests are not staged (0.11.2's APIs; stage_latest.py)
-    "pp-kv-budget": [
-        (*COMMITS["pp-kv-budget"][0][:2], ["0001", "0002", "0003", "0004", "0005"])
-    ],
+# patches/latest (stage_latest.py): the vLLM 0.32 runtime patches on the
+# newest release, one commit per series; a series not listed here gets its
+# text from its patch module (``latest_commits``).
+LATEST_TEXT: dict[str, tuple[str, str]] = {
+    "cpu-attn": (
+        "[CPU][Attention] CPU_ATTN: offer the BLHNC (cross-layer) KV cache layout",
+        "CPU_ATTN lists only LBHNC in supported_kv_cache_layouts, so a KV\n"
+        "connector (get_required_kvcache_layout) or VLLM_KV_CACHE_LAYOUT\n"
+        "asking for block-outermost cross-layer blocks is refused on the CPU\n"
+        "platform. Its kernels (cpu_attn_reshape_and_cache,\n"
+        "cpu_attention_with_kv_cache) index each layer's cache through its\n"
+        "block stride, and K and V are split by a view of the contiguous\n"
+        "[heads, tokens, 2*head_size] run, so BLHNC works as is. Offering it\n"
+        "after LBHNC keeps the default layout.",
+    ),
+    "cpu-offload-spec": (
+        "[KVConnector][CPU] OffloadingConnector on the CPU platform",
+        "CPUOffloadingSpec.get_worker refuses every platform but CUDA-alike\n"
+        "and XPU, and its worker runs on CUDA streams. On the CPU platform it\n"
+        "now returns a worker that moves blocks between the KV cache and one\n"
+        "host buffer with block_copy's DMA path (one copy per block with a\n"
+        "block-outermost layout such as BLHNC, consecutive blocks merged) on\n"
+        "a background thread; the connector, manager, eviction policies and\n"
+        "cpu_bytes_to_use sizing are unchanged. TieringOffloadingSpec is\n"
+        "refused on CPU with a clear error (its primary tier is read through\n"
+        "a shared region).",
+    ),
 }
+
+
+def latest_commits() -> dict[str, list[tuple[str, str, list[str]]]]:
+    """series -> its one commit: LATEST_TEXT's, else the patch module's
+    summary (its docstring's first line) and the patches' ``why``."""
+    out = {}
+    for module in stage_latest.patch_modules():
+        series = stage_latest.series_name(module)
+        numbers = sorted(
+            p.name[:4] for p in (stage_latest.OUT / series).glob("*.patch")
+        )
+        if series in LATEST_TEXT:
+            subject, body = LATEST_TEXT[series]
+        else:
+            summary = (module.__doc__ or series).splitlines()[0]
+            subject = "[Core] " + summary.split(": ", 1)[-1].rstrip(".")
+            body = "\n\n".join(p.why for p in module.PATCHES)
+        if check_upstream.IDENTITY.search(subject + body):
+            raise SystemExit(f"{series}: the commit text names the overlay")
+        out[series] = [(subject, body, numbers)]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +227,7 @@ class Staging:
     order: list[str]
     depends: dict[str, list[str]]
     commits: dict[str, list[tuple[str, str, list[str]]]]
+    committed: bool = True  # False: built on demand (git-ignored), not kept
 
     @property
     def mbox(self) -> pathlib.Path:
@@ -214,9 +238,10 @@ MAIN = Staging("0.11.2", PATCHES, ORDER, DEPENDS, COMMITS)
 LATEST = Staging(
     stage_latest.LATEST_VERSION,
     stage_latest.OUT,
-    list(stage_latest.STAGED),
-    {name: [] for name in stage_latest.STAGED},
-    LATEST_COMMITS,
+    stage_latest.series_names(),
+    {name: [] for name in stage_latest.series_names()},  # independent
+    latest_commits(),
+    committed=False,
 )
 STAGINGS = {"0.11.2": MAIN, "latest": LATEST}
 
@@ -286,7 +311,7 @@ def _reset(tree: pathlib.Path, base: str) -> None:
 
 def build(out: pathlib.Path, sdist: pathlib.Path, staging: Staging = MAIN) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=stage_latest.scratch()) as tmp:
+    with tempfile.TemporaryDirectory(dir=latest_verify.scratch()) as tmp:
         tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
         clean = _git(tree, "rev-parse", "HEAD").strip()
         for series in staging.order:
@@ -312,7 +337,7 @@ def git_am_all(
 ) -> None:
     """Every mbox applies with ``git am`` on a clean tree, in order, each
     series also on top of only what it needs."""
-    with tempfile.TemporaryDirectory(dir=stage_latest.scratch()) as tmp:
+    with tempfile.TemporaryDirectory(dir=latest_verify.scratch()) as tmp:
         tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
         clean = _git(tree, "rev-parse", "HEAD").strip()
         for series in [*staging.order, None]:
@@ -395,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             fresh = pathlib.Path(tmp)
             build(fresh, sdist, staging)
+            if not staging.committed:  # nothing kept to compare: they git am
+                git_am_all(sdist, fresh, staging)
+                continue
             stale += [
                 str((staging.mbox / f"{s}.mbox").relative_to(PATCHES))
                 for s in staging.order
