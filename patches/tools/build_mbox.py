@@ -166,56 +166,6 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
 }
 
-# patches/latest (stage_latest.py): the vLLM 0.32 runtime patches on the
-# newest release, one commit per series; a series not listed here gets its
-# text from its patch module (``latest_commits``).
-LATEST_TEXT: dict[str, tuple[str, str]] = {
-    "cpu-attn": (
-        "[CPU][Attention] CPU_ATTN: offer the BLHNC (cross-layer) KV cache layout",
-        "CPU_ATTN lists only LBHNC in supported_kv_cache_layouts, so a KV\n"
-        "connector (get_required_kvcache_layout) or VLLM_KV_CACHE_LAYOUT\n"
-        "asking for block-outermost cross-layer blocks is refused on the CPU\n"
-        "platform. Its kernels (cpu_attn_reshape_and_cache,\n"
-        "cpu_attention_with_kv_cache) index each layer's cache through its\n"
-        "block stride, and K and V are split by a view of the contiguous\n"
-        "[heads, tokens, 2*head_size] run, so BLHNC works as is. Offering it\n"
-        "after LBHNC keeps the default layout.",
-    ),
-    "cpu-offload-spec": (
-        "[KVConnector][CPU] OffloadingConnector on the CPU platform",
-        "CPUOffloadingSpec.get_worker refuses every platform but CUDA-alike\n"
-        "and XPU, and its worker runs on CUDA streams. On the CPU platform it\n"
-        "now returns a worker that moves blocks between the KV cache and one\n"
-        "host buffer with block_copy's DMA path (one copy per block with a\n"
-        "block-outermost layout such as BLHNC, consecutive blocks merged) on\n"
-        "a background thread; the connector, manager, eviction policies and\n"
-        "cpu_bytes_to_use sizing are unchanged. TieringOffloadingSpec is\n"
-        "refused on CPU with a clear error (its primary tier is read through\n"
-        "a shared region).",
-    ),
-}
-
-
-def latest_commits() -> dict[str, list[tuple[str, str, list[str]]]]:
-    """series -> its one commit: LATEST_TEXT's, else the patch module's
-    summary (its docstring's first line) and the patches' ``why``."""
-    out = {}
-    for module in stage_latest.patch_modules():
-        series = stage_latest.series_name(module)
-        numbers = sorted(
-            p.name[:4] for p in (stage_latest.OUT / series).glob("*.patch")
-        )
-        if series in LATEST_TEXT:
-            subject, body = LATEST_TEXT[series]
-        else:
-            summary = (module.__doc__ or series).splitlines()[0]
-            subject = "[Core] " + summary.split(": ", 1)[-1].rstrip(".")
-            body = "\n\n".join(p.why for p in module.PATCHES)
-        if check_upstream.IDENTITY.search(subject + body):
-            raise SystemExit(f"{series}: the commit text names the overlay")
-        out[series] = [(subject, body, numbers)]
-    return out
-
 
 @dataclasses.dataclass(frozen=True)
 class Staging:
@@ -240,7 +190,7 @@ LATEST = Staging(
     stage_latest.OUT,
     stage_latest.series_names(),
     {name: [] for name in stage_latest.series_names()},  # independent
-    latest_commits(),
+    stage_latest.commits(),
     committed=False,
 )
 STAGINGS = {"0.11.2": MAIN, "latest": LATEST}

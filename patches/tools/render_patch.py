@@ -19,6 +19,8 @@ The convention a patch module follows so its edit renders (checked here;
   upstream's code runs as before.
 * An import at the top level of the body whose names the upstream module
   already imports at its top level is dropped.
+* Any other use of ``REGISTRY`` (a wrapper that calls upstream's function
+  mid-body) does not render: refused.
 
 Names (the overlay's modules and messages) are rewritten by the caller.
 """
@@ -206,6 +208,12 @@ def edit(upstream: str, target: str, source: str, name: str) -> str:
         raise RenderError(
             f"{target}: parameters {_params(patch_func)} differ from "
             f"upstream's {_params(node)}"
+        )
+    if "REGISTRY" in before + after:
+        raise RenderError(
+            f"{target}: the patch calls REGISTRY other than in the fallback "
+            "form (if COND: return REGISTRY.original(ID)(...)): a wrapper of "
+            "upstream's function does not render (render_patch's docstring)"
         )
     start = _signature_end(lines, node) + 1
     doc_end = _docstring_end(node)

@@ -140,6 +140,11 @@ def bad(self, other):
     return 1
 
 
+def wrapper(self, kv_caches):
+    worker = REGISTRY.original(PATCH_ID)(self, kv_caches)
+    return worker
+
+
 def no_return(self, kv_caches):
     if not ok():
         return REGISTRY.original(PATCH_ID)(self, kv_caches)
@@ -190,6 +195,8 @@ def test_what_does_not_follow_the_convention_is_refused():
         render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "bad")
     with pytest.raises(render_patch.RenderError, match="must end in return"):
         render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "no_return")
+    with pytest.raises(render_patch.RenderError, match="wrapper"):
+        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "wrapper")
     with pytest.raises(render_patch.RenderError, match="no class"):
         render_patch.edit(UPSTREAM, "Other.get_worker", PATCH, "get_worker")
     with pytest.raises(render_patch.RenderError, match="no top-level def"):
@@ -223,3 +230,14 @@ def test_import_check_finds_missing_modules_and_names(tmp_path):
         "vllm.nope: no module vllm.nope",
         "vllm.a.b import z: vllm/a/b.py does not define z",
     ]
+
+
+def test_each_series_is_one_commit_naming_no_overlay():
+    """build_mbox.py's commits for patches/latest: one per series, all its
+    diffs; the text is checked against check_upstream.IDENTITY."""
+    commits = stage_latest.commits()
+    assert list(commits) == stage_latest.series_names()
+    for series, [(subject, body, numbers)] in commits.items():
+        assert subject.startswith("[") and body
+        on_disk = sorted(p.name[:4] for p in (LATEST / series).glob("*.patch"))
+        assert numbers == on_disk
