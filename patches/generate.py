@@ -234,16 +234,17 @@ RUNTIME_ONLY = re.compile(
 )
 
 
-def rewrite(text: str, origin: str) -> str:
+def rewrite(text: str, origin: str, modules: dict[str, str] | None = None) -> str:
     """TEXT with the runtime-only blocks dropped (the lines from ``# runtime
     only: begin`` to ``# runtime only: end``: what exists only because the
     overlay patches at runtime) and the overlay's module and class names
     replaced by their upstream ones."""
+    modules = MODULES if modules is None else modules
     text = RUNTIME_ONLY.sub("", text)
     for ours, theirs in CLASS_NAMES:
         text = re.sub(rf"\b{ours}\b", theirs, text)
-    for ours in sorted(MODULES, key=len, reverse=True):
-        text = re.sub(rf"\b{re.escape(ours)}\b", MODULES[ours], text)
+    for ours in sorted(modules, key=len, reverse=True):
+        text = re.sub(rf"\b{re.escape(ours)}\b", modules[ours], text)
     if "vllm_overlay" in text:
         raise ValueError(
             f"{origin}: a vllm_overlay reference has no upstream module in MODULES"
@@ -286,8 +287,9 @@ docstring-code-format = true
 """
 
 
-def upstream_style(text: str, path: str) -> str:
-    """TEXT (an overlay module, imports already renamed) as vLLM writes it."""
+def upstream_style(text: str, path: str, fmt=None) -> str:
+    """TEXT (an overlay module, imports already renamed) as vLLM writes it
+    (formatted by FMT(text, path), default ``ruff``: vLLM 0.11.2's)."""
     if OVERLAY_LOGGER in text:
         text = text.replace(OVERLAY_LOGGER, "logger = init_logger(__name__)")
         init_logger = "from vllm.logger import init_logger\n"
@@ -306,7 +308,7 @@ def upstream_style(text: str, path: str) -> str:
     text = _relative_if_too_long(text, path)
     if not text.startswith(SPDX_HEADER):
         text = SPDX_HEADER + text
-    return ruff(text, path)
+    return (fmt or ruff)(text, path)
 
 
 def _relative_if_too_long(text: str, path: str) -> str:

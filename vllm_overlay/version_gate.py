@@ -4,15 +4,47 @@
 ``register()``, the connectors' import check and ``doctor`` read it.  An
 entry is a release as users write it: ``"0.11.2"`` is that release exactly
 (local tags such as ``+cpu`` and post releases included, pre and dev
-releases not); ``"0.32.x"`` would be every 0.32 release.
+releases not); ``"0.32.x"`` would be every 0.32 release.  A later release
+whose upstream code touched by the v0_32 set is byte-identical to 0.32.0's
+is an entry too (``patches/v0_32/releases.json``, written and checked by
+``patches/tools/release_compat.py``); its installed files are checked
+against the record at startup (``check_recorded_release``).
 
 Importing this module imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
-# Each supported release and its patch set (``vllm_overlay/patches/<set>``).
+import hashlib
+import json
+import pathlib
+
+_PATCHES = pathlib.Path(__file__).resolve().parent / "patches"
+
+
+def release_record(patch_set: str) -> dict:
+    """``patches/<set>/releases.json`` (written by
+    ``patches/tools/release_compat.py``): the upstream files the set touches
+    with their sha256 in its reference release, and the later releases whose
+    files are byte-identical to them (or not); ``{}`` without one."""
+    path = _PATCHES / patch_set / "releases.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def recorded_releases(patch_set: str, record: dict) -> dict[str, str]:
+    """The later releases RECORD lists as identical -> PATCH_SET."""
+    return {
+        version: patch_set
+        for version, result in record.get("releases", {}).items()
+        if result.get("identical")
+    }
+
+
+# Each supported release and its patch set (``vllm_overlay/patches/<set>``),
+# then the later releases supported by a set because the upstream code it
+# touches is byte-identical there (its releases.json).
 RELEASES: dict[str, str] = {"0.11.2": "v0_11_2", "0.32.x": "v0_32"}
+RELEASES.update(recorded_releases("v0_32", release_record("v0_32")))
 SUPPORTED_RELEASES: tuple[str, ...] = tuple(RELEASES)
 
 # What a user can configure that only the overlay provides: the names vLLM's
@@ -146,6 +178,48 @@ def unsupported_error(
         f"which does not run on it: {', '.join(features)}. Install vLLM "
         f"{supported_text()}, or remove {them} to run stock vLLM."
     )
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def touched_file_changes(patch_set: str, vllm_dir: pathlib.Path) -> list[str]:
+    """The files of ``release_record(patch_set)["touched"]`` whose copy in
+    the ``vllm`` package folder VLLM_DIR differs from the reference's."""
+    changed = []
+    for rel, digest in release_record(patch_set).get("touched", {}).items():
+        path = vllm_dir.parent / rel
+        if not path.is_file() or _sha256(path) != digest:
+            changed.append(rel)
+    return changed
+
+
+def check_recorded_release(entry: str, version: str | None) -> None:
+    """For a release supported through a record (not one the set was written
+    for): raise the startup error when an installed touched file differs
+    from the record's (a locally modified vLLM, or a build that patches its
+    sources).  A few sha256 of small files; vLLM is not imported."""
+    patch_set = RELEASES[entry]
+    if entry not in recorded_releases(patch_set, release_record(patch_set)):
+        return
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    vllm_dir = pathlib.Path(list(spec.submodule_search_locations)[0])
+    changed = touched_file_changes(patch_set, vllm_dir)
+    if changed:
+        reference = release_record(patch_set)["reference"]
+        raise UnsupportedVLLMVersion(
+            f"{unsupported_message(version)} as released: vLLM {entry} is "
+            f"supported because the files the overlay patches are those of "
+            f"vLLM {reference} (vllm_overlay/patches/{patch_set}/releases.json), "
+            f"but these installed files differ: {', '.join(changed)} (in "
+            f"{vllm_dir}). Install vLLM {supported_text()} unmodified, or set "
+            "VLLM_OVERLAY_DISABLE=1 to run stock vLLM."
+        )
 
 
 def require_supported(*features: str) -> None:

@@ -8,7 +8,10 @@ built on top of the series it needs (``DEPENDS``), committed with fixed
 dates (so the mboxes are reproducible byte for byte), and written to
 ``patches/mbox/<series>.mbox``.  ``--check`` rebuilds into a temporary
 folder, compares, and then ``git am``s every mbox onto a clean tree in
-``ORDER``.
+``ORDER``.  patches/latest's mboxes (``LATEST``: one commit per series of
+``stage_latest.py``) are not committed (``committed=False``): they are built
+from its diffs, into ``patches/latest/mbox/`` (git-ignored) on request and
+into a temporary folder by ``--check``, which ``git am``s them.
 
     python patches/tools/build_mbox.py [--check]
     python patches/tools/build_mbox.py --markdown   # README.md's PR section
@@ -28,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import check_upstream  # noqa: E402
 import fetch_sdist  # noqa: E402
+import latest_verify  # noqa: E402
 import stage_latest  # noqa: E402
 
 PATCHES = check_upstream.PATCHES
@@ -162,37 +166,6 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
 }
 
-# patches/latest (stage_latest.py): the same features on the newest release
-LATEST_COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
-    "shared-pool": [
-        (
-            "[KVConnector] Block gather/scatter helpers for whole-block KV moves",
-            "Tables that describe a KV block as one run (block-outermost\n"
-            "layouts such as BLHNC) or one run per layer and K/V, and Triton /\n"
-            "copy-engine gather and scatter between the device cache and a\n"
-            "packed host buffer. Used by the shared KV pool connector below.",
-            ["0001", "0002", "0003"],
-        ),
-        (
-            COMMITS["shared-pool"][0][0],
-            COMMITS["shared-pool"][0][1],
-            ["0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011", "0012"],
-        ),
-        (
-            COMMITS["shared-pool"][1][0],
-            COMMITS["shared-pool"][1][1]
-            + "\n\nOn this release the connector asks for the BLHNC KV cache\n"
-            "layout (get_required_kvcache_layout) and moves a block as one run\n"
-            "when the layers' pages are contiguous; otherwise per layer.",
-            ["0013", "0014", "0015", "0016", "0017"],
-        ),
-    ],
-    # the upstream tests are not staged (0.11.2's APIs; stage_latest.py)
-    "pp-kv-budget": [
-        (*COMMITS["pp-kv-budget"][0][:2], ["0001", "0002", "0003", "0004", "0005"])
-    ],
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Staging:
@@ -204,6 +177,7 @@ class Staging:
     order: list[str]
     depends: dict[str, list[str]]
     commits: dict[str, list[tuple[str, str, list[str]]]]
+    committed: bool = True  # False: built on demand (git-ignored), not kept
 
     @property
     def mbox(self) -> pathlib.Path:
@@ -214,9 +188,10 @@ MAIN = Staging("0.11.2", PATCHES, ORDER, DEPENDS, COMMITS)
 LATEST = Staging(
     stage_latest.LATEST_VERSION,
     stage_latest.OUT,
-    list(stage_latest.STAGED),
-    {name: [] for name in stage_latest.STAGED},
-    LATEST_COMMITS,
+    stage_latest.series_names(),
+    {name: [] for name in stage_latest.series_names()},  # independent
+    stage_latest.commits(),
+    committed=False,
 )
 STAGINGS = {"0.11.2": MAIN, "latest": LATEST}
 
@@ -286,7 +261,7 @@ def _reset(tree: pathlib.Path, base: str) -> None:
 
 def build(out: pathlib.Path, sdist: pathlib.Path, staging: Staging = MAIN) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=stage_latest.scratch()) as tmp:
+    with tempfile.TemporaryDirectory(dir=latest_verify.scratch()) as tmp:
         tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
         clean = _git(tree, "rev-parse", "HEAD").strip()
         for series in staging.order:
@@ -312,7 +287,7 @@ def git_am_all(
 ) -> None:
     """Every mbox applies with ``git am`` on a clean tree, in order, each
     series also on top of only what it needs."""
-    with tempfile.TemporaryDirectory(dir=stage_latest.scratch()) as tmp:
+    with tempfile.TemporaryDirectory(dir=latest_verify.scratch()) as tmp:
         tree = check_upstream.prepare_tree(sdist, pathlib.Path(tmp))
         clean = _git(tree, "rev-parse", "HEAD").strip()
         for series in [*staging.order, None]:
@@ -395,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             fresh = pathlib.Path(tmp)
             build(fresh, sdist, staging)
+            if not staging.committed:  # nothing kept to compare: they git am
+                git_am_all(sdist, fresh, staging)
+                continue
             stale += [
                 str((staging.mbox / f"{s}.mbox").relative_to(PATCHES))
                 for s in staging.order

@@ -1,22 +1,24 @@
-"""patches/latest: pp-kv-budget and shared-pool staged on the newest vLLM
-release by patches/tools/stage_latest.py (from the 0.11.2 series)."""
+"""patches/latest: the vLLM 0.32 runtime patches (vllm_overlay/patches/v0_32)
+staged on the newest vLLM release by patches/tools/stage_latest.py, their
+edits rendered by patches/tools/render_patch.py."""
 
 from __future__ import annotations
 
 import pathlib
 import subprocess
 import sys
-import types
+import textwrap
 
 import pytest
-import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "patches" / "tools"
 LATEST = ROOT / "patches" / "latest"
 sys.path.insert(0, str(TOOLS))
 import fetch_sdist  # noqa: E402
+import render_patch  # noqa: E402
 import stage_latest  # noqa: E402
+import static_imports  # noqa: E402
 
 
 def _sdist_or_skip() -> pathlib.Path:
@@ -36,11 +38,11 @@ def _sdist_or_skip() -> pathlib.Path:
 
 def test_staging_is_current_applies_compiles_and_passes_the_hooks():
     """``stage_latest.py --verify``: patches/latest equals a fresh staging
-    byte for byte (imports of the staged files resolve in the newest sdist),
-    every diff applies in order with ``git apply --check`` and ``patch
-    --dry-run -p1 -F0`` (no fuzz, no offset), the newest release's offline
-    pre-commit hooks pass and every touched file compiles.  Offline: a
-    pinned tool not at hand is skipped, not installed."""
+    byte for byte (imports of the staged code resolve in the newest sdist,
+    no added line names the overlay), every diff applies in order with
+    ``git apply --check`` and ``patch --dry-run -p1 -F0``, the newest
+    release's offline pre-commit hooks pass and every touched file
+    compiles.  Offline: a pinned tool not at hand is skipped, not installed."""
     _sdist_or_skip()
     done = subprocess.run(
         [sys.executable, str(TOOLS / "stage_latest.py"), "--verify", "--offline"],
@@ -58,7 +60,7 @@ def test_staging_is_current_applies_compiles_and_passes_the_hooks():
         assert f"| {hook} | pass |" in out, out
 
 
-def test_series_lists_every_staged_diff():
+def test_one_series_per_v0_32_patch_module_in_order():
     listed = [
         line
         for line in (LATEST / "series").read_text().splitlines()
@@ -67,115 +69,138 @@ def test_series_lists_every_staged_diff():
     on_disk = sorted(str(p.relative_to(LATEST)) for p in LATEST.glob("*/*.patch"))
     assert sorted(listed) == on_disk
     groups = list(dict.fromkeys(line.split("/")[0] for line in listed))
-    assert groups == stage_latest.STAGED  # one block per series, in order
-    readme = (LATEST / "README.md").read_text()
-    assert stage_latest.LATEST_VERSION in readme
+    assert groups == stage_latest.series_names()
+    from vllm_overlay.patches import v0_32
+
+    assert len(groups) == len(v0_32.MODULES)
+    assert stage_latest.LATEST_VERSION in (LATEST / "README.md").read_text()
 
 
-# -- the rewritten kv_tables on views shaped as the newest vLLM makes them ------
-def _new_file(diff: pathlib.Path) -> str:
-    lines = diff.read_text().splitlines(keepends=True)[3:]
-    return "".join(line[1:] for line in lines)
+def test_new_files_are_the_overlay_modules_a_patch_needs():
+    """Found from the imports (inside functions too), the runtime's patch
+    machinery aside, each after the modules it imports."""
+    from vllm_overlay.patches.v0_32 import patch_cpu_attn, patch_cpu_offload_spec
+
+    assert stage_latest.new_modules(patch_cpu_attn) == []
+    assert stage_latest.new_modules(patch_cpu_offload_spec) == [
+        "vllm_overlay.core.ops.triton_kernels",
+        "vllm_overlay.core.ops.block_copy",
+        "vllm_overlay.integration.v0_32.offload_worker",
+    ]
 
 
-def _load(name: str, diff: str, monkeypatch) -> types.ModuleType:
-    module = types.ModuleType(name)
-    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look it up
-    exec(compile(_new_file(LATEST / diff), diff, "exec"), module.__dict__)
-    return module
+# -- the rendering convention (render_patch) ----------------------------------
+UPSTREAM = '''\
+from vllm.platforms import current_platform
 
 
-@pytest.fixture
-def kv_tables(monkeypatch):
-    block_copy = _load(
-        "vllm.v1.kv_offload.block_copy",
-        "shared-pool/0001-v1-kv_offload-block_copy.patch",
-        monkeypatch,
+class Spec:
+    @classmethod
+    def layouts(cls) -> tuple[str, ...]:
+        # only one
+        return ("LBHNC",)
+
+    @override
+    def get_worker(self, kv_caches: list) -> object:
+        """Upstream's docstring."""
+        if not self._worker:
+            self._worker = make(kv_caches)
+        return self._worker
+'''
+
+PATCH = """\
+from vllm_overlay.core.patching import REGISTRY, Patch
+
+PATCH_ID = "X-01"
+
+
+@classmethod
+def layouts(cls):
+    return ("LBHNC", "BLHNC")
+
+
+def get_worker(self, kv_caches):
+    from vllm.platforms import current_platform
+
+    # runtime only: begin
+    record_call()
+    # runtime only: end
+    if not current_platform.is_cpu():
+        return REGISTRY.original(PATCH_ID)(self, kv_caches)
+    if self._worker is None:
+        self._worker = CPUWorker(kv_caches)
+    return self._worker
+
+
+def added(self):
+    return 1
+
+
+def bad(self, other):
+    return 1
+
+
+def wrapper(self, kv_caches):
+    worker = REGISTRY.original(PATCH_ID)(self, kv_caches)
+    return worker
+
+
+def no_return(self, kv_caches):
+    if not ok():
+        return REGISTRY.original(PATCH_ID)(self, kv_caches)
+    self.x = 1
+"""
+
+
+def test_a_body_is_replaced_under_upstreams_signature():
+    text = render_patch.edit(UPSTREAM, "Spec.layouts", PATCH, "layouts")
+    assert textwrap.dedent("""\
+        @classmethod
+        def layouts(cls) -> tuple[str, ...]:
+            return ("LBHNC", "BLHNC")
+    """) in textwrap.dedent(text.split("class Spec:\n")[1])
+    assert "# only one" not in text
+    assert text.count("def get_worker") == 1  # the rest unchanged
+    assert text.endswith(UPSTREAM.split("    @override\n")[1])
+
+
+def test_a_fallback_keeps_upstreams_body_on_its_path():
+    """``if COND: return REGISTRY.original(...)`` -> the patch's path under
+    ``if not COND``, then upstream's body unchanged; runtime-only lines and
+    imports upstream has at top level dropped."""
+    text = render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "get_worker")
+    body = text.split("def get_worker(self, kv_caches: list) -> object:\n")[1]
+    assert body == (
+        '        """Upstream\'s docstring."""\n'
+        "        if current_platform.is_cpu():\n"
+        "            if self._worker is None:\n"
+        "                self._worker = CPUWorker(kv_caches)\n"
+        "            return self._worker\n"
+        "        if not self._worker:\n"
+        "            self._worker = make(kv_caches)\n"
+        "        return self._worker\n"
     )
-    tables = _load(
-        "vllm.v1.kv_offload.kv_tables",
-        "shared-pool/0003-v1-kv_offload-kv_tables.patch",
-        monkeypatch,
+    assert "REGISTRY" not in text and "record_call" not in text
+
+
+def test_a_target_upstream_lacks_is_added_to_its_class():
+    text = render_patch.edit(UPSTREAM, "Spec.added", PATCH, "added")
+    assert text.endswith(
+        "        return self._worker\n\n    def added(self):\n        return 1\n"
     )
-    return block_copy, tables
 
 
-L, B, H, N, C = 3, 5, 2, 4, 8  # layers, blocks, heads, tokens, fp16 per cell
-ES = 2
-PAGE = H * N * C * ES
-
-
-def _views(order: str, pad: int = 0, kernel_split: int = 1):
-    """Per-layer [B, H, N, C] fp16 views of one int8 buffer, as the newest
-    vLLM's allocate_kv_cache makes them (RFC #42082): block b of layer l at
-    l * layer_stride + b * block_stride."""
-    if order == "BLHNC":  # block-outermost: all layers' pages per block
-        layer_stride, block_stride = PAGE, L * PAGE + pad
-        inner = (N * C, C, 1)
-    else:  # LBNHC: layer-outermost, tokens before heads in a page
-        layer_stride, block_stride = B * PAGE, PAGE
-        inner = (C, H * C, 1)
-    buf = torch.arange(L * B * PAGE + B * pad, dtype=torch.int32).to(torch.int8)
-    fp16 = buf.view(torch.float16)
-    shape = (B * kernel_split, H, N // kernel_split, C)
-    stride = (block_stride // ES // kernel_split, *inner)
-    views = {
-        f"layer.{i}": fp16.as_strided(shape, stride, i * layer_stride // ES)
-        for i in range(L)
-    }
-    views["shared"] = views["layer.1"]  # a KV-sharing layer aliases layer 1
-    return buf, views
-
-
-CONFIG = types.SimpleNamespace(cache_config=types.SimpleNamespace(num_gpu_blocks=B))
-
-
-def test_block_outermost_views_are_one_run_per_block(kv_tables):
-    block_copy, tables = kv_tables
-    buf, views = _views("BLHNC")
-    per_layer = tables.per_layer_table(CONFIG, views)
-    assert per_layer.runs_per_block == L  # the alias is not moved twice
-    cross = tables.cross_layer_table(per_layer)
-    assert cross is not None and cross.runs_per_block == 1
-    assert cross.block_bytes == L * PAGE
-    ids = torch.tensor([3, 0, 4], dtype=torch.int64)
-    packed = torch.empty(3, L * PAGE, dtype=torch.uint8)
-    block_copy.gather(cross, ids, packed, "reference")
-    raw = buf.view(torch.uint8)
-    for row, b in enumerate(ids.tolist()):  # the block's bytes verbatim
-        assert torch.equal(packed[row], raw[b * L * PAGE : (b + 1) * L * PAGE])
-    via_layers = torch.empty_like(packed)
-    block_copy.gather(per_layer, ids, via_layers, "dma")
-    assert torch.equal(via_layers, packed)
-
-
-def test_other_layouts_keep_the_per_layer_path(kv_tables):
-    block_copy, tables = kv_tables
-    _, views = _views("LBNHC")
-    per_layer = tables.per_layer_table(CONFIG, views)
-    assert per_layer.runs_per_block == L
-    assert tables.cross_layer_table(per_layer) is None
-    _, padded = _views("BLHNC", pad=64)  # padding between packed blocks
-    assert tables.cross_layer_table(tables.per_layer_table(CONFIG, padded)) is None
-
-
-def test_kernel_blocks_are_grouped_into_cache_blocks(kv_tables):
-    block_copy, tables = kv_tables
-    buf, views = _views("LBNHC", kernel_split=2)
-    table = tables.per_layer_table(CONFIG, views)
-    assert table.num_blocks == B and table.block_bytes == L * PAGE
-    packed = torch.empty(1, L * PAGE, dtype=torch.uint8)
-    block_copy.gather(table, torch.tensor([2]), packed, "reference")
-    raw = buf.view(torch.uint8)
-    for layer in range(L):
-        start = layer * B * PAGE + 2 * PAGE
-        got = packed[0, layer * PAGE : (layer + 1) * PAGE]
-        assert torch.equal(got, raw[start : start + PAGE])
-    with pytest.raises(ValueError, match="not a multiple"):
-        tables.per_layer_table(
-            types.SimpleNamespace(cache_config=types.SimpleNamespace(num_gpu_blocks=3)),
-            views,
-        )
+def test_what_does_not_follow_the_convention_is_refused():
+    with pytest.raises(render_patch.RenderError, match="parameters"):
+        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "bad")
+    with pytest.raises(render_patch.RenderError, match="must end in return"):
+        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "no_return")
+    with pytest.raises(render_patch.RenderError, match="wrapper"):
+        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "wrapper")
+    with pytest.raises(render_patch.RenderError, match="no class"):
+        render_patch.edit(UPSTREAM, "Other.get_worker", PATCH, "get_worker")
+    with pytest.raises(render_patch.RenderError, match="no top-level def"):
+        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "missing")
 
 
 # -- the static import check ---------------------------------------------------
@@ -198,10 +223,21 @@ def test_import_check_finds_missing_modules_and_names(tmp_path):
         ),
         "vllm/c/e.py": "y = 2\n",
     }
-    tree = stage_latest.Tree(tmp_path, staged)
-    problems = stage_latest.unresolved(tree, "vllm/c/d.py")
+    tree = static_imports.Tree(tmp_path, staged)
+    problems = static_imports.unresolved(tree, "vllm/c/d.py")
     assert [p.split(": ", 1)[1] for p in problems] == [
         "vllm.a import missing: vllm/a/__init__.py does not define missing",
         "vllm.nope: no module vllm.nope",
         "vllm.a.b import z: vllm/a/b.py does not define z",
     ]
+
+
+def test_each_series_is_one_commit_naming_no_overlay():
+    """build_mbox.py's commits for patches/latest: one per series, all its
+    diffs; the text is checked against check_upstream.IDENTITY."""
+    commits = stage_latest.commits()
+    assert list(commits) == stage_latest.series_names()
+    for series, [(subject, body, numbers)] in commits.items():
+        assert subject.startswith("[") and body
+        on_disk = sorted(p.name[:4] for p in (LATEST / series).glob("*.patch"))
+        assert numbers == on_disk

@@ -301,3 +301,97 @@ def test_a_feature_of_one_release_is_refused_on_the_other():
         version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0", "connectors")
     )
     assert "supports vLLM 0.11.2 or 0.32.x only; found vLLM 0.12.0" in error
+
+
+# -- later releases supported through the record (release_compat.py) ------------
+def _record(tmp_path, identical: bool) -> dict:
+    """A record whose one touched file is written under tmp_path/vllm."""
+    (tmp_path / "vllm" / "v1").mkdir(parents=True)
+    touched = tmp_path / "vllm" / "v1" / "spec.py"
+    touched.write_text("def get_worker(self, kv_caches): ...\n")
+    digest = version_gate._sha256(touched)
+    return {
+        "patch_set": "v0_32",
+        "reference": "0.32.0",
+        "touched": {"vllm/v1/spec.py": digest},
+        "releases": {
+            "0.33.0": {"identical": identical, "differs": []},
+            "0.34.0": {"identical": False, "differs": ["vllm/v1/spec.py"]},
+        },
+    }
+
+
+def _admit(monkeypatch, record: dict) -> None:
+    """version_gate as it is built from RECORD (the lists every message reads)."""
+    releases = {
+        "0.11.2": "v0_11_2",
+        "0.32.x": "v0_32",
+        **version_gate.recorded_releases("v0_32", record),
+    }
+    monkeypatch.setattr(version_gate, "RELEASES", releases)
+    monkeypatch.setattr(version_gate, "SUPPORTED_RELEASES", tuple(releases))
+    monkeypatch.setattr(version_gate, "release_record", lambda patch_set: record)
+
+
+def test_a_release_recorded_identical_is_supported_by_the_v0_32_set(
+    tmp_path, monkeypatch
+):
+    _admit(monkeypatch, _record(tmp_path, identical=True))
+    assert version_gate.release_entry("0.33.0") == "0.33.0"
+    assert version_gate.release_entry("0.33.0+cu129") == "0.33.0"
+    assert version_gate.RELEASES["0.33.0"] == "v0_32"
+    assert version_gate.release_entry("0.34.0") is None  # recorded as differing
+    assert version_gate.release_entry("0.33.1") is None  # not recorded
+    error = str(version_gate.unsupported_error(["kv_connector 'X'"], "0.34.0"))
+    assert "supports vLLM 0.11.2, 0.32.x or 0.33.0 only; found vLLM 0.34.0" in error
+    assert "Install vLLM 0.11.2, 0.32.x or 0.33.0" in error
+
+
+def test_a_release_recorded_as_differing_gets_the_startup_error(tmp_path, monkeypatch):
+    _admit(monkeypatch, _record(tmp_path, identical=False))
+    assert version_gate.release_entry("0.33.0") is None
+    error = str(version_gate.unsupported_error(["kv_connector 'X'"], "0.33.0"))
+    assert "supports vLLM 0.11.2 or 0.32.x only; found vLLM 0.33.0" in error
+
+
+def test_the_committed_record_says_which_files_moved_in_0_33():
+    """vLLM 0.33.0 changed code the v0_32 set touches: not supported."""
+    record = version_gate.release_record("v0_32")
+    assert record["reference"] == "0.32.0"
+    assert "vllm/v1/kv_offload/cpu/spec.py" in record["touched"]
+    result = record["releases"]["0.33.0"]
+    assert not result["identical"]
+    assert "vllm/v1/kv_offload/cpu/spec.py" in result["differs"]
+    assert set(result["differs"]) <= set(record["touched"])
+    assert "0.33.0" not in version_gate.RELEASES
+    assert not version_gate.is_supported_version("0.33.0")
+
+
+def test_an_admitted_release_with_a_changed_touched_file_is_refused(
+    tmp_path, monkeypatch
+):
+    """The startup check of a release admitted through the record: the
+    installed touched files' sha256 against the record's."""
+    import importlib.util
+    import types
+
+    _admit(monkeypatch, _record(tmp_path, identical=True))
+    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "vllm")])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: spec if name == "vllm" else find_spec(name, *a),
+    )
+    version_gate.check_recorded_release("0.33.0", "0.33.0")  # unchanged: runs
+    version_gate.check_recorded_release("0.32.x", "0.32.0")  # not via a record
+    (tmp_path / "vllm" / "v1" / "spec.py").write_text("# patched locally\n")
+    assert version_gate.touched_file_changes("v0_32", tmp_path / "vllm") == [
+        "vllm/v1/spec.py"
+    ]
+    with pytest.raises(version_gate.UnsupportedVLLMVersion) as caught:
+        version_gate.check_recorded_release("0.33.0", "0.33.0")
+    message = str(caught.value)
+    assert "these installed files differ: vllm/v1/spec.py" in message
+    assert "files the overlay patches are those of vLLM 0.32.0" in message
+    assert "Install vLLM 0.11.2, 0.32.x or 0.33.0 unmodified" in message

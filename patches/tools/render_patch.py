@@ -1,0 +1,231 @@
+"""A runtime patch (``Patch``) as an edit of the upstream file it targets.
+
+The convention a patch module follows so its edit renders (checked here;
+``patches/README.md``):
+
+* ``Patch.new`` is a function defined with ``def`` at the top level of the
+  patch module (``@classmethod``, ``@staticmethod``, ``@property`` allowed),
+  with the parameter names of the upstream function ``Patch.target``
+  (``Cls.method`` or ``function``).  The edit keeps upstream's decorators,
+  signature and docstring and replaces the body with the patch's.  A target
+  upstream lacks is added at the end of its class (with the patch's
+  decorators).
+* Lines from ``# runtime only: begin`` to ``# runtime only: end`` exist only
+  because the overlay patches at runtime: dropped.
+* A fallback to upstream's code, a top-level ``if COND: return
+  REGISTRY.original(ID)(...)`` of the body, renders as ``if not COND:``
+  around the rest of the body (which must end with ``return`` or ``raise``),
+  followed by upstream's own body unchanged: on the paths the fallback took,
+  upstream's code runs as before.
+* An import at the top level of the body whose names the upstream module
+  already imports at its top level is dropped.
+* Any other use of ``REGISTRY`` (a wrapper that calls upstream's function
+  mid-body) does not render: refused.
+
+Names (the overlay's modules and messages) are rewritten by the caller.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import textwrap
+import tokenize
+
+RUNTIME_ONLY = re.compile(
+    r"^[ \t]*# runtime only: begin.*?^[ \t]*# runtime only: end\n", re.M | re.S
+)
+
+
+class RenderError(SystemExit):
+    pass
+
+
+def function_name(new) -> str:
+    """The ``def`` name of a patch's replacement."""
+    for attr in ("__func__", "fget"):
+        new = getattr(new, attr, new)
+    return new.__name__
+
+
+def _signature_end(lines: list[str], node: ast.FunctionDef) -> int:
+    """The 1-based line of the colon that ends NODE's signature."""
+    text = "".join(lines[node.lineno - 1 : node.end_lineno])
+    depth, seen_def = 0, False
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.NAME and tok.string == "def":
+            seen_def = True
+        elif tok.type == tokenize.OP and tok.string in "([{":
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            depth -= 1
+        elif seen_def and depth == 0 and tok.type == tokenize.OP and tok.string == ":":
+            return node.lineno + tok.start[0] - 1
+    raise RenderError(f"no end of signature for {node.name}")
+
+
+def _docstring_end(node: ast.FunctionDef) -> int | None:
+    first = node.body[0]
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        return first.end_lineno
+    return None
+
+
+def _find(module: ast.Module, target: str):
+    """(class node or None, function node or None) of TARGET."""
+    *owner, name = target.split(".")
+    scope, cls = module.body, None
+    for part in owner:
+        found = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == part]
+        if not found:
+            raise RenderError(f"upstream has no class {part} ({target})")
+        cls = found[0]
+        scope = cls.body
+    funcs = [
+        n
+        for n in scope
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+    ]
+    return cls, (funcs[0] if funcs else None)
+
+
+def _top_imports(module: ast.Module) -> set[str]:
+    names = set()
+    for node in module.body:
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+    return names
+
+
+def _is_fallback(node: ast.stmt) -> bool:
+    """``if COND: return REGISTRY.original(...)(...)``."""
+    if not (isinstance(node, ast.If) and not node.orelse and len(node.body) == 1):
+        return False
+    ret = node.body[0]
+    call = getattr(ret, "value", None)
+    return (
+        isinstance(ret, ast.Return)
+        and isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Call)
+        and isinstance(call.func.func, ast.Attribute)
+        and call.func.func.attr == "original"
+        and getattr(call.func.func.value, "id", None) == "REGISTRY"
+    )
+
+
+def _negated(test: ast.expr) -> str:
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return ast.unparse(test.operand)
+    return f"not ({ast.unparse(test)})"
+
+
+def _span(lines: list[str], start: int, end: int, drop: set[int]) -> str:
+    """Lines START..END (1-based, inclusive) without the lines in DROP."""
+    return "".join(lines[i - 1] for i in range(start, end + 1) if i not in drop)
+
+
+def _def(module: ast.Module, name: str) -> ast.FunctionDef:
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise RenderError(f"the patch module has no top-level def {name}")
+
+
+def patch_body(source: str, name: str, upstream_imports: set[str]):
+    """(docstring, before, fallback test, after) of the function NAME in
+    SOURCE (a patch module), dedented; fallback None without one."""
+    source = RUNTIME_ONLY.sub("", source)
+    lines = source.splitlines(keepends=True)
+    module = ast.parse(source)
+    funcs = [
+        n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == name
+    ]
+    if not funcs:
+        raise RenderError(f"the patch module has no top-level def {name}")
+    func = funcs[0]
+    start = _signature_end(lines, func) + 1
+    doc_end = _docstring_end(func)
+    doc = _span(lines, start, doc_end, set()) if doc_end else ""
+    body = [n for n in func.body if doc_end is None or n.lineno > doc_end]
+    drop = set()
+    for node in body:
+        if (
+            isinstance(node, ast.ImportFrom | ast.Import)
+            and {a.asname or a.name.split(".")[0] for a in node.names}
+            <= upstream_imports
+        ):
+            drop |= set(range(node.lineno, node.end_lineno + 1))
+    first = (doc_end + 1) if doc_end else start
+    fallbacks = [n for n in body if _is_fallback(n)]
+    if not fallbacks:
+        text = _span(lines, first, func.end_lineno, drop)
+        return textwrap.dedent(doc), textwrap.dedent(text).lstrip("\n"), None, ""
+    fallback = fallbacks[0]
+    rest = body[body.index(fallback) + 1 :]
+    if not rest or not isinstance(rest[-1], ast.Return | ast.Raise):
+        raise RenderError(f"{name}: the body after the fallback must end in return")
+    before = _span(lines, first, fallback.lineno - 1, drop)
+    after = _span(lines, fallback.end_lineno + 1, func.end_lineno, drop)
+    return (
+        textwrap.dedent(doc),
+        textwrap.dedent(before).lstrip("\n"),
+        _negated(fallback.test),
+        textwrap.dedent(after).lstrip("\n"),
+    )
+
+
+def _params(node: ast.FunctionDef) -> list[str]:
+    a = node.args
+    return [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]] + [
+        f"*{x.arg}" for x in (a.vararg, a.kwarg) if x is not None
+    ]
+
+
+def edit(upstream: str, target: str, source: str, name: str) -> str:
+    """UPSTREAM (a file's text) with TARGET's body replaced by the body of
+    the function NAME of the patch module SOURCE (the convention above)."""
+    tree = ast.parse(upstream)
+    lines = upstream.splitlines(keepends=True)
+    cls, node = _find(tree, target)
+    doc, before, test, after = patch_body(source, name, _top_imports(tree))
+    patch_func = _def(ast.parse(RUNTIME_ONLY.sub("", source)), name)
+    if node is None:
+        if cls is None or test is not None:
+            raise RenderError(f"{target}: upstream has no such function to edit")
+        text = RUNTIME_ONLY.sub("", source).splitlines(keepends=True)
+        start = min([patch_func.lineno] + [d.lineno for d in patch_func.decorator_list])
+        added = "".join(text[start - 1 : patch_func.end_lineno])
+        indent = " " * cls.body[0].col_offset
+        block = "\n" + textwrap.indent(textwrap.dedent(added), indent)
+        at = cls.end_lineno
+        return "".join(lines[:at]) + block + "".join(lines[at:])
+    if _params(node) != _params(patch_func):
+        raise RenderError(
+            f"{target}: parameters {_params(patch_func)} differ from "
+            f"upstream's {_params(node)}"
+        )
+    if "REGISTRY" in before + after:
+        raise RenderError(
+            f"{target}: the patch calls REGISTRY other than in the fallback "
+            "form (if COND: return REGISTRY.original(ID)(...)): a wrapper of "
+            "upstream's function does not render (render_patch's docstring)"
+        )
+    start = _signature_end(lines, node) + 1
+    doc_end = _docstring_end(node)
+    indent = " " * node.body[0].col_offset
+    old_doc = _span(lines, start, doc_end, set()) if doc_end else ""
+    original = _span(lines, (doc_end + 1) if doc_end else start, node.end_lineno, set())
+    if test is None:
+        body = textwrap.indent(doc, indent) if doc else old_doc
+        body += textwrap.indent(before, indent)
+    else:
+        body = textwrap.indent(doc, indent) if doc else old_doc
+        body += textwrap.indent(before, indent)
+        body += f"{indent}if {test}:\n" + textwrap.indent(after, indent + "    ")
+        body += original
+    return "".join(lines[: start - 1]) + body + "".join(lines[node.end_lineno :])

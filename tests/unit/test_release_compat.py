@@ -1,0 +1,63 @@
+"""patches/tools/release_compat.py: the upstream files the v0_32 set
+touches, compared byte for byte between vLLM 0.32.0 and later releases
+(the record version_gate reads)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "patches" / "tools"
+sys.path.insert(0, str(TOOLS))
+import fetch_sdist  # noqa: E402
+import release_compat  # noqa: E402
+
+
+def _cached_or_skip(*versions: str) -> None:
+    missing = [v for v in versions if fetch_sdist.cached(v) is None]
+    if missing:
+        pytest.skip(
+            f"vLLM sdists {missing} not cached in {fetch_sdist.cache_dir()}; "
+            "run python patches/tools/fetch_sdist.py --version V"
+        )
+
+
+def test_record_is_current():
+    record = json.loads(release_compat.RECORD.read_text())
+    _cached_or_skip(release_compat.REFERENCE, *record["releases"])
+    done = subprocess.run(
+        [sys.executable, str(TOOLS / "release_compat.py"), "--check", "--offline"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_touched_files_are_the_targets_and_every_vllm_import():
+    """Every Patch.module of the set's MODULES, and the vllm modules the
+    set's code imports, those inside functions included."""
+    _cached_or_skip(release_compat.REFERENCE)
+    reference = release_compat._sdist(release_compat.REFERENCE, offline=True)
+    touched = release_compat.touched_files(reference)
+    for module in release_compat.patch_targets():
+        assert reference.module_file(module) in touched
+    # imported inside the patched function, not at module level
+    assert "vllm/v1/kv_offload/tiering/spec.py" in touched
+    # imported by the integration code
+    assert "vllm/v1/kv_offload/base.py" in touched
+    assert set(touched) == set(json.loads(release_compat.RECORD.read_text())["touched"])
+
+
+def test_overlay_files_follow_core_imports():
+    files = {str(p.relative_to(ROOT)) for p in release_compat.overlay_files()}
+    assert "vllm_overlay/integration/v0_32/offload_worker.py" in files
+    assert "vllm_overlay/core/ops/block_copy.py" in files  # followed
+    assert "vllm_overlay/core/ops/triton_kernels.py" in files  # lazily, inside
