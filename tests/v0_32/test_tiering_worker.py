@@ -98,7 +98,11 @@ def test_blocks_land_in_the_primary_tiers_view(world, rank, page, tensors, per, 
     scheduler = make_spec(0, world, page, tensors, per, engine_id)
     manager = scheduler.get_manager()
     kv = caches(page, tensors)
-    worker = make_spec(rank, world, page, tensors, per, engine_id).get_worker(kv)
+    try:
+        worker = make_spec(rank, world, page, tensors, per, engine_id).get_worker(kv)
+    except BaseException:
+        manager.shutdown()
+        raise
     try:
         assert type(worker).__name__ == "CPUPlatformOffloadingWorker"
         assert (worker._flat is None) == apart

@@ -9,9 +9,14 @@ the patched method maps the same slot (same region, rank and sizes as
 upstream's) and hands it to the overlay's worker
 (``integration/v0_32/offload_worker``) as its host memory, so a block a
 worker stores is the block the secondary tiers copy out, and a block they
-promote is the block the worker loads.  ``canonical_layout`` is refused on
-CPU (the overlay's worker moves the direct layout only).  Other platforms:
-upstream's.
+promote is the block the worker loads.  Inside its slot of a chunk row the
+overlay's worker puts block after block, each with its KV tensors back to
+back; upstream's worker puts tensor after tensor.  The two agree when a
+chunk is one block (the default ``block_size``) or the cache is one tensor
+(cross-layer ``BLHNC``); otherwise files a CPU engine writes to a
+persistent tier are for CPU engines with the overlay (either layout).
+``canonical_layout`` is refused on CPU (the overlay's worker moves the
+direct layout only).  Other platforms: upstream's.
 """
 
 import logging
