@@ -14,7 +14,7 @@ overlay's worker puts block after block, each with its KV tensors back to
 back; upstream's worker puts tensor after tensor.  The two agree when a
 chunk is one block (the default ``block_size``) or the cache is one tensor
 (cross-layer ``BLHNC``); otherwise files a CPU engine writes to a
-persistent tier are for CPU engines with the overlay (either layout).
+persistent tier are for CPU engines with the overlay.
 ``canonical_layout`` is refused on CPU (the overlay's worker moves the
 direct layout only).  Other platforms: upstream's.
 """
