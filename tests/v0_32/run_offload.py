@@ -9,7 +9,14 @@ passes hit its own device prefix cache (the reference: same hit lengths).
 Also reported: the worker's copy calls and blocks per direction, and the
 KV cache layout.
 
+``"fs_dir": DIR``: ``TieringOffloadingSpec`` instead of the default
+``CPUOffloadingSpec``: the CPU primary tier plus upstream's ``fs`` secondary
+tier in DIR (patch OF32-02); the runner then waits (with a deadline) until
+DIR holds ``"fs_files"`` block files and reports how many it holds.
+``"passes"``: which passes to run (default all three, in order).
+
     python run_offload.py '{"connector": true}'   # env: VLLM_KV_CACHE_LAYOUT
+    python run_offload.py '{"connector": true, "fs_dir": "/tmp/kv"}'
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 from result_out import records  # noqa: E402
@@ -26,6 +34,27 @@ from run_llm import prompts  # noqa: E402
 from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
 
 CPU_BYTES = 64 * 2**20  # host memory for offloaded KV
+FS_DEADLINE_S = 120.0  # the fs tier's writes land well within this
+
+
+def extra_config(config: dict) -> dict:
+    """Upstream's kv_connector_extra_config keys."""
+    extra = {"cpu_bytes_to_use": CPU_BYTES}
+    if config.get("fs_dir"):
+        extra["spec_name"] = "TieringOffloadingSpec"
+        extra["secondary_tiers"] = [
+            {
+                "type": "fs",
+                "root_dir": config["fs_dir"],
+                "n_read_threads": 2,
+                "n_write_threads": 2,
+            }
+        ]
+    return extra
+
+
+def fs_files(root: str) -> int:
+    return sum(1 for _ in pathlib.Path(root).rglob("*.bin"))
 
 
 def worker_info(worker) -> dict:
@@ -62,7 +91,7 @@ def main(config: dict) -> dict:
         kv = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES},
+            kv_connector_extra_config=extra_config(config),
         )
     llm = LLM(
         model=tiny_model_path(),
@@ -89,20 +118,30 @@ def main(config: dict) -> dict:
                 return True
         return False
 
-    first = run()
-    after_first = llm.collective_rpc(worker_info)[0]
-    resets = [reset()]
-    batch = run()  # a batch: requests wait for their loads
-    single = []  # one request at a time: stock's schedule
-    for text in prompts():
-        resets.append(reset())
-        single += run([text])
-    return {
-        "passes": [first, batch, single],
-        "resets": resets,
-        "after_first": after_first,
-        "after": llm.collective_rpc(worker_info)[0],
-    }
+    todo = config.get("passes", ["first", "batch", "single"])
+    out = {"passes": [], "resets": []}
+    if "first" in todo:
+        out["passes"].append(run())
+        out["after_first"] = llm.collective_rpc(worker_info)[0]
+    if "batch" in todo:
+        out["resets"].append(reset())
+        out["passes"].append(run())  # a batch: requests wait for their loads
+    if "single" in todo:
+        single = []  # one request at a time: stock's schedule
+        for text in prompts():
+            out["resets"].append(reset())
+            single += run([text])
+        out["passes"].append(single)
+    out["after"] = llm.collective_rpc(worker_info)[0]
+    if config.get("fs_dir"):
+        deadline = time.monotonic() + FS_DEADLINE_S
+        while fs_files(config["fs_dir"]) < config.get("fs_files", 0):
+            if time.monotonic() > deadline:
+                break
+            reset()  # steps the engine: finished stores cascade to the tier
+            time.sleep(0.2)
+        out["fs_files"] = fs_files(config["fs_dir"])
+    return out
 
 
 if __name__ == "__main__":

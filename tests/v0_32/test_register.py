@@ -17,7 +17,7 @@ def result():
 
 def test_the_0_32_patch_set_is_registered(result):
     assert result["outcome"] == "applied"
-    assert set(result["patches"]) == {"CL32-01", "OF32-01"}
+    assert set(result["patches"]) == {"CL32-01", "OF32-01", "OF32-02"}
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,12 @@ scheduler hands out) and moves the bytes with ``core/ops``' DMA path: one
 one canonical tensor whose row is a block of every layer) one per block,
 consecutive blocks merged into one.
 
-Host memory is one buffer of ``num_cpu_chunks * blocks_per_chunk`` rows
-(each a block of every KV tensor, back to back), allocated at startup.
+Host memory is ``num_cpu_chunks`` chunks of ``blocks_per_chunk`` rows,
+each row a block of every KV tensor, back to back.  By default the worker
+allocates it at startup; a caller can hand it in instead (``host``): the
+tiering spec gives it its slot of the primary tier's shared region, which
+the scheduler's secondary tiers read and write.  Chunks may then lie apart
+(padding, other ranks' slots): a transfer then moves chunk by chunk.
 Transfers run in submission order on one background thread, never on the
 engine's; a transfer that raises fails alone (its job reports failure and
 vLLM recomputes), and ``wait`` has a deadline.
@@ -25,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy
 import torch
@@ -39,7 +44,19 @@ _STOP = object()
 
 
 class CPUPlatformOffloadingWorker(OffloadingWorker):
-    def __init__(self, kv_caches, blocks_per_chunk: int, num_cpu_chunks: int) -> None:
+    """``host(n)``, if given, returns the host memory: an int8 tensor of
+    ``num_cpu_chunks`` rows of ``n`` bytes (``blocks_per_chunk`` blocks),
+    each row contiguous, rows at any stride.  ``release`` is called at
+    shutdown, once no transfer touches that memory any more."""
+
+    def __init__(
+        self,
+        kv_caches,
+        blocks_per_chunk: int,
+        num_cpu_chunks: int,
+        host: Callable[[int], torch.Tensor] | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         groups = kv_caches.group_data_refs
         if len(groups) != 1:
             raise NotImplementedError(
@@ -62,10 +79,29 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         ]
         self.table = BlockTable.from_tensors(rows, 0)
         self.blocks_per_chunk = blocks_per_chunk
-        self.host = torch.zeros(
-            (num_cpu_chunks * blocks_per_chunk, self.table.block_bytes),
-            dtype=torch.int8,
+        chunk_bytes = blocks_per_chunk * self.table.block_bytes
+        memory = (host or _allocate(num_cpu_chunks))(chunk_bytes)
+        if (
+            memory.dtype != torch.int8
+            or tuple(memory.shape) != (num_cpu_chunks, chunk_bytes)
+            or memory.stride(1) != 1
+        ):
+            raise ValueError(
+                f"host memory must be {num_cpu_chunks} int8 rows of "
+                f"{chunk_bytes} B, each contiguous; got {tuple(memory.shape)} "
+                f"{memory.dtype} strides {memory.stride()}"
+            )
+        # [chunk, block in chunk, byte]; one flat [rows, bytes] view when
+        # the chunks are back to back (one copy for consecutive blocks).
+        self.host = memory.view(
+            num_cpu_chunks, blocks_per_chunk, self.table.block_bytes
         )
+        self._flat = (
+            self.host.view(-1, self.table.block_bytes)
+            if self.host.is_contiguous()
+            else None
+        )
+        self._release = release
         self.copies = {"store": 0, "load": 0}  # copy_ calls (tests, logs)
         self.blocks = {"store": 0, "load": 0}
         self._jobs: queue.Queue = queue.Queue()
@@ -79,13 +115,15 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         logger.info(
             "vllm-overlay CPU offloading worker: %d KV tensor(s), %d B per "
             "block in %d run(s), host memory %.1f MiB (%d chunks of %d "
-            "blocks), copies by core/ops dma on a background thread",
+            "blocks, %s, %s), copies by core/ops dma on a background thread",
             len(rows),
             self.table.block_bytes,
             self.table.runs_per_block,
-            self.host.nbytes / 2**20,
+            self.host.numel() / 2**20,
             num_cpu_chunks,
             blocks_per_chunk,
+            "allocated here" if host is None else "given by the spec",
+            "back to back" if self._flat is not None else "apart: chunk by chunk",
         )
 
     # -- the OffloadingWorker interface ---------------------------------------
@@ -123,6 +161,17 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self._jobs.put(_STOP)
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            # A copy still runs: its memory must stay mapped.
+            logger.warning(
+                "vllm-overlay CPU offloading: a transfer still runs at "
+                "shutdown; host memory left in place"
+            )
+            return
+        self.host = self._flat = None
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
 
     # -- internals ---------------------------------------------------------------
     def _host_rows(self, chunk_ids, gpu_spec, count: int) -> numpy.ndarray:
@@ -147,6 +196,20 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         self._jobs.put((job_id, kind, torch.from_numpy(ids), torch.from_numpy(rows)))
         return True
 
+    def _move(self, kind: str, ids: torch.Tensor, rows: torch.Tensor) -> int:
+        """Cache blocks ``ids`` <-> host rows ``rows``; copy_ calls made."""
+        move = gather if kind == "store" else scatter
+        if self._flat is not None:
+            return move(self.table, ids, self._flat, "dma", rows)
+        per, copies = self.blocks_per_chunk, 0
+        chunks = rows // per
+        for chunk in chunks.unique().tolist():
+            mine = chunks == chunk
+            copies += move(
+                self.table, ids[mine], self.host[chunk], "dma", rows[mine] % per
+            )
+        return copies
+
     def _run(self) -> None:
         """Transfers in submission order; one that raises fails alone."""
         while True:
@@ -157,8 +220,7 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
             start = time.perf_counter()
             ok = True
             try:
-                move = gather if kind == "store" else scatter
-                self.copies[kind] += move(self.table, ids, self.host, "dma", rows)
+                self.copies[kind] += self._move(kind, ids, rows)
                 self.blocks[kind] += len(ids)
             except Exception:  # noqa: BLE001 - this job fails, vLLM recomputes
                 ok = False
@@ -177,3 +239,7 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 self._done.append(result)
                 self._pending.discard(job_id)
                 self._cond.notify_all()
+
+
+def _allocate(num_chunks: int) -> Callable[[int], torch.Tensor]:
+    return lambda chunk_bytes: torch.zeros((num_chunks, chunk_bytes), dtype=torch.int8)

@@ -4,11 +4,17 @@ framework; the overlay adds only what it lacks, through its interfaces."""
 
 from __future__ import annotations
 
-from vllm_overlay.patches.v0_32 import patch_cpu_attn, patch_cpu_offload_spec
+from vllm_overlay.patches.v0_32 import (
+    patch_cpu_attn,
+    patch_cpu_offload_spec,
+    patch_tiering_spec,
+)
 
 MODULES = (
     # Cross-layer KV blocks on the CPU platform
     patch_cpu_attn,
     # Upstream's OffloadingConnector on the CPU platform
     patch_cpu_offload_spec,
+    # ... and its TieringOffloadingSpec (CPU primary tier + secondary tiers)
+    patch_tiering_spec,
 )

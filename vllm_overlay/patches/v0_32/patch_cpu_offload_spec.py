@@ -6,8 +6,10 @@ GPUs"), and its worker runs on CUDA streams.  On the CPU platform the patched
 method returns the overlay's worker (``integration/v0_32/offload_worker``):
 upstream's ``OffloadingConnector``, manager and ``kv_connector_extra_config``
 keys unchanged, bytes moved by ``core/ops``.  ``TieringOffloadingSpec``
-(whose primary tier the scheduler reads through a shared memory region) is
-refused on CPU with a clear error for now.  Other platforms: upstream's.
+(whose primary tier the scheduler reads through a shared memory region)
+gets its worker from its own ``create_worker``, which OF32-02
+(``patch_tiering_spec``) gives a CPU path; without it, it is refused on CPU
+with a clear error.  Other platforms: upstream's.
 """
 
 from vllm_overlay.core.patching import REGISTRY, Patch
@@ -25,11 +27,15 @@ def get_worker(self, kv_caches):
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
         if isinstance(self, TieringOffloadingSpec):
-            raise NotImplementedError(
-                "vllm-overlay: TieringOffloadingSpec on the CPU platform is not "
-                "supported yet (its primary tier is read by the scheduler "
-                "through a shared region); use CPUOffloadingSpec"
-            )
+            if not getattr(type(self).create_worker, "cpu_platform", False):
+                raise NotImplementedError(
+                    "vllm-overlay: TieringOffloadingSpec on the CPU platform "
+                    "needs patch OF32-02 (its create_worker maps the primary "
+                    "tier's shared region), which is not applied; use "
+                    "CPUOffloadingSpec or enable OF32-02"
+                )
+            self._worker = self.create_worker(kv_caches)
+            return self._worker
         from vllm_overlay.integration.v0_32.offload_worker import (
             CPUPlatformOffloadingWorker,
         )

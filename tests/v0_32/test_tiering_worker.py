@@ -1,0 +1,160 @@
+"""``TieringOffloadingSpec``'s worker on the CPU platform (patch OF32-02).
+
+The spec's worker-side ``get_worker`` gives the overlay's worker its slot
+of the primary tier's shared region; the scheduler-side ``get_manager``
+maps the same region, and its secondary tiers read and write the primary
+tier through ``primary_kv_view``.  Stored blocks land in that view at this
+rank's slot of each chunk row (block ``j`` of a chunk at ``j`` blocks in, a
+block's KV tensors back to back) and nowhere else; bytes a tier writes
+there are what a load brings back.  Chunk rows back to back and apart
+(padding, another rank's slot).  Real vLLM 0.32 specs and regions, no
+engine.
+"""
+
+from __future__ import annotations
+
+import mmap
+import random
+import uuid
+
+import numpy
+import pytest
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+import vllm_overlay
+
+BLOCKS, CHUNKS = 24, 8  # device blocks; primary-tier chunks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def overlay():
+    assert vllm_overlay.register() == "applied"
+
+
+def make_spec(rank, world, page, tensors, per, engine_id, canonical=False):
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    block = page * tensors
+    row = -(-block * per * world // mmap.PAGESIZE) * mmap.PAGESIZE
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, tuple(f"l{i}" for i in range(tensors)), 0),),
+        worker_kv_bytes_per_block=block,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": CHUNKS * row},
+        engine_id=engine_id,
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=per),
+        parallel=OffloadingParallelConfig(
+            rank, world, world, 1, 1, 1, 0, 1, None, True
+        ),
+        canonical_layout=canonical,
+    )
+    return TieringOffloadingSpec(config)
+
+
+def caches(page: int, tensors: int) -> CanonicalKVCaches:
+    ts = [
+        CanonicalKVCacheTensor(
+            torch.randint(-128, 127, (BLOCKS, page), dtype=torch.int8), page
+        )
+        for _ in range(tensors)
+    ]
+    return CanonicalKVCaches(
+        ts, [[CanonicalKVCacheRef(i, page) for i in range(tensors)]]
+    )
+
+
+def finish(worker, job_id) -> None:
+    worker.wait({job_id})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(job_id, True)]
+
+
+@pytest.mark.parametrize(
+    "world, rank, page, tensors, per, apart",
+    [
+        (1, 0, 1024, 4, 1, False),  # a row is one chunk: back to back
+        (1, 0, 1024, 1, 4, False),  # one packed (cross-layer) tensor
+        (1, 0, 96, 4, 2, True),  # rows padded to a page
+        (2, 1, 1024, 2, 1, True),  # rank 1's slot, after rank 0's
+        (2, 1, 96, 3, 2, True),  # both
+    ],
+)
+def test_blocks_land_in_the_primary_tiers_view(world, rank, page, tensors, per, apart):
+    engine_id = f"overlay-test-{uuid.uuid4().hex}"
+    scheduler = make_spec(0, world, page, tensors, per, engine_id)
+    manager = scheduler.get_manager()
+    kv = caches(page, tensors)
+    try:
+        worker = make_spec(rank, world, page, tensors, per, engine_id).get_worker(kv)
+    except BaseException:
+        manager.shutdown()
+        raise
+    try:
+        assert type(worker).__name__ == "CPUPlatformOffloadingWorker"
+        assert (worker._flat is None) == apart
+        # What the secondary tiers see: [chunk, row bytes].
+        view = numpy.asarray(manager.primary_tier.get_kv_memoryview())
+        block = page * tensors
+        slot = rank * block * per  # this rank's bytes in a row
+        rng = random.Random(world * 100 + page + per)
+        n = rng.randint(2, CHUNKS)
+        first = rng.randrange(0, 3)
+        skip = first % per
+        src = rng.sample(range(BLOCKS), n)
+        chunks = rng.sample(range(CHUNKS), -(-(skip + n) // per))
+        assert worker.submit_store(
+            1, GPULoadStoreSpec(src, [n], [first]), CPULoadStoreSpec(chunks)
+        )
+        finish(worker, 1)
+        written = numpy.zeros(view.shape, dtype=bool)
+        places = [(c, j) for c in chunks for j in range(per)][skip : skip + n]
+        for b, (c, j) in zip(src, places):
+            for s, t in enumerate(kv.tensors):
+                at = slot + j * block + s * page
+                assert numpy.array_equal(view[c, at : at + page], t.tensor[b].numpy())
+                written[c, at : at + page] = True
+        assert not view[~written].any()  # nothing else in the region changed
+
+        # A tier writes bytes into those places; a load brings them back.
+        for c, j in places:
+            at = slot + j * block
+            view[c, at : at + block] = numpy.random.default_rng(c * per + j).integers(
+                -128, 127, block, dtype=numpy.int8
+            )
+        dst = rng.sample([b for b in range(BLOCKS) if b not in src], n)
+        before = [t.tensor.clone() for t in kv.tensors]
+        assert worker.submit_load(
+            2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst, [n], [first])
+        )
+        finish(worker, 2)
+        for b, (c, j) in zip(dst, places):
+            for s, t in enumerate(kv.tensors):
+                at = slot + j * block + s * page
+                assert numpy.array_equal(t.tensor[b].numpy(), view[c, at : at + page])
+        untouched = [b for b in range(BLOCKS) if b not in dst]
+        for t, old in zip(kv.tensors, before):
+            assert torch.equal(t.tensor[untouched], old[untouched])
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+    assert worker.host is None  # the region's view was handed back
+
+
+def test_canonical_layout_is_refused_on_cpu():
+    spec = make_spec(0, 1, 1024, 4, 1, f"overlay-test-{uuid.uuid4().hex}", True)
+    with pytest.raises(NotImplementedError, match="canonical_layout"):
+        spec.get_worker(caches(1024, 4))

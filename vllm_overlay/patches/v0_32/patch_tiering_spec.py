@@ -1,0 +1,110 @@
+"""vllm/v1/kv_offload/tiering/spec.py: tiered offloading on the CPU platform.
+
+``TieringOffloadingSpec`` keeps its primary (CPU) tier in a
+``SharedOffloadRegion``: an mmap under /dev/shm that the worker writes and
+the scheduler's secondary tiers (``fs``, ``obj``...) read and write through
+``primary_kv_view``.  Its ``create_worker`` maps the worker's slot of that
+region and hands it to upstream's CUDA-stream worker.  On the CPU platform
+the patched method maps the same slot (same region, rank and sizes as
+upstream's) and hands it to the overlay's worker
+(``integration/v0_32/offload_worker``) as its host memory, so a block a
+worker stores is the block the secondary tiers copy out, and a block they
+promote is the block the worker loads.  Inside its slot of a chunk row the
+overlay's worker puts block after block, each with its KV tensors back to
+back; upstream's worker puts tensor after tensor.  The two agree when a
+chunk is one block (the default ``block_size``) or the cache is one tensor
+(cross-layer ``BLHNC``); otherwise files a CPU engine writes to a
+persistent tier are for CPU engines with the overlay.
+``canonical_layout`` is refused on CPU (the overlay's worker moves the
+direct layout only).  Other platforms: upstream's.
+"""
+
+import logging
+
+from vllm_overlay.core.patching import REGISTRY, Patch
+
+logger = logging.getLogger("vllm.overlay")
+
+MODULE = "vllm.v1.kv_offload.tiering.spec"
+PATCH_ID = "OF32-02"
+
+
+def create_worker(self, kv_caches):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return REGISTRY.original(PATCH_ID)(self, kv_caches)
+    if self.config.canonical_layout:
+        raise NotImplementedError(
+            "vllm-overlay: canonical_layout is not supported by "
+            "TieringOffloadingSpec on the CPU platform; remove it from "
+            "kv_connector_extra_config"
+        )
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from vllm_overlay.integration.v0_32.offload_worker import (
+        CPUPlatformOffloadingWorker,
+    )
+
+    rank = 0 if self.replicated_layout else self.config.parallel.rank
+    region = SharedOffloadRegion(
+        engine_id=self._engine_id,
+        num_chunks=self.num_chunks,
+        rank=rank,
+        kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+        cpu_page_size=self.cpu_page_size_per_worker,
+    )
+
+    def slot(chunk_bytes: int):
+        if chunk_bytes > self.cpu_page_size_per_worker:
+            raise ValueError(
+                f"vllm-overlay: a chunk of this worker's KV blocks is "
+                f"{chunk_bytes} B but its slot in the shared region holds "
+                f"{self.cpu_page_size_per_worker} B"
+            )
+        return region.create_next_worker_view(chunk_bytes)
+
+    try:
+        worker = CPUPlatformOffloadingWorker(
+            kv_caches,
+            self.blocks_per_chunk,
+            self.num_chunks,
+            host=slot,
+            release=region.cleanup,
+        )
+    except Exception:
+        region.cleanup()
+        raise
+    logger.info(
+        "vllm-overlay tiered offloading on CPU: the worker's host memory is "
+        "rank %d's slot of %s (%d chunks of %d B), shared with %d secondary "
+        "tier(s)",
+        rank,
+        region.mmap_path,
+        self.num_chunks,
+        self.kv_bytes_per_chunk,
+        len(self.secondary_tier_configs),
+    )
+    return worker
+
+
+create_worker.cpu_platform = True  # OF32-01's get_worker: CPU path is here
+
+PATCHES = [
+    Patch(
+        id=PATCH_ID,
+        module=MODULE,
+        target="TieringOffloadingSpec.create_worker",
+        new=create_worker,
+        feature="host offloading on the CPU platform",
+        why="Upstream's TieringOffloadingSpec builds a CUDA-stream worker over "
+        "the primary tier's shared region; on CPU this maps the same region "
+        "slot and gives it to the overlay's worker (OF32-01) as its host "
+        "memory, so the scheduler's secondary tiers (fs, ...) see the bytes "
+        "the worker moves.",
+        upstream="none: no upstream path offloads KV on the CPU platform "
+        "(llm-d-kv-cache#526; LMCache RFC #4266 open)",
+        removal="Drop with OF32-01, once upstream's offloading workers run on "
+        "the CPU platform.",
+    ),
+]
