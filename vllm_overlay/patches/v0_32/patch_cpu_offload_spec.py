@@ -27,6 +27,7 @@ def get_worker(self, kv_caches):
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
         if isinstance(self, TieringOffloadingSpec):
+            # runtime only: begin
             if not getattr(type(self).create_worker, "cpu_platform", False):
                 raise NotImplementedError(
                     "vllm-overlay: TieringOffloadingSpec on the CPU platform "
@@ -34,6 +35,7 @@ def get_worker(self, kv_caches):
                     "tier's shared region), which is not applied; use "
                     "CPUOffloadingSpec or enable OF32-02"
                 )
+            # runtime only: end
             self._worker = self.create_worker(kv_caches)
             return self._worker
         from vllm_overlay.integration.v0_32.offload_worker import (

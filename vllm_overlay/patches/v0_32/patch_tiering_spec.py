@@ -36,7 +36,7 @@ def create_worker(self, kv_caches):
         return REGISTRY.original(PATCH_ID)(self, kv_caches)
     if self.config.canonical_layout:
         raise NotImplementedError(
-            "vllm-overlay: canonical_layout is not supported by "
+            "canonical_layout is not supported by "
             "TieringOffloadingSpec on the CPU platform; remove it from "
             "kv_connector_extra_config"
         )
@@ -58,7 +58,7 @@ def create_worker(self, kv_caches):
     def slot(chunk_bytes: int):
         if chunk_bytes > self.cpu_page_size_per_worker:
             raise ValueError(
-                f"vllm-overlay: a chunk of this worker's KV blocks is "
+                f"A chunk of this worker's KV blocks is "
                 f"{chunk_bytes} B but its slot in the shared region holds "
                 f"{self.cpu_page_size_per_worker} B"
             )
@@ -76,7 +76,7 @@ def create_worker(self, kv_caches):
         region.cleanup()
         raise
     logger.info(
-        "vllm-overlay tiered offloading on CPU: the worker's host memory is "
+        "Tiered offloading on CPU: the worker's host memory is "
         "rank %d's slot of %s (%d chunks of %d B), shared with %d secondary "
         "tier(s)",
         rank,
