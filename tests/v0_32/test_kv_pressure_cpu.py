@@ -18,7 +18,12 @@ behind one holding none, #57841's invariant), each later async load
 reserves what the earlier ones still need, and every step where the loaded
 head could not allocate had requests running, which free their blocks when
 they finish.  The runner records that state, step by step, and the test
-asserts it was reached.  The runner's stall bound (no progress for N steps
+asserts it was reached.  Also run by hand (``run_pressure.py`` with other
+configs: 9, 10 and 16 device blocks; 2 to 4 loads of 2 to 6 host blocks;
+loads behind fillers; max_num_seqs 2; 128-token chunks; no chunked prefill;
+300 generated tokens, where preempted fillers come back through async
+loads): no stall, and at every blocked-head step requests were running.
+The runner's stall bound (no progress for N steps
 and seconds, every request's state recorded) is checked on a paused engine.
 """
 
@@ -64,6 +69,11 @@ def test_the_57841_state_is_reached_and_0_32_recovers(loaded):
     # #57841 steps 1-2: D0 waits holding nothing (connector: None) while
     # A1's async load is admitted behind it, in the same waiting pass.
     assert p["async_admitted"]["A1"] in p["deferrals"]["D0"]
+    # #57841 step 3, in 0.32's queues: a request holding no blocks fails
+    # allocate_slots and ends the waiting pass while A0 and A1 hold their
+    # loaded blocks; the next pass starts with kv_holding_waiting, so the
+    # loads are not stranded behind it.
+    assert any(e["holders"] == {"A0": 3, "A1": 3} for e in p["blockless_failures"])
     # The head-of-line state: a load-finished request at the head of the
     # waiting queue cannot get the rest of its prompt, the device blocks
     # held by other requests.
