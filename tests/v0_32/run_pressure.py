@@ -17,10 +17,14 @@ with every request's state.
 
 Recorded while it runs: each time the scheduler fails to allocate for a
 request whose load has finished (at the head of ``kv_holding_waiting``:
-held blocks, free blocks, what runs), the connector's deferrals, the
-requests admitted as async loads.  After it: the tokens, the blocks loaded
-by the worker, and the free device blocks once everything is done.
+held blocks, free blocks, what runs), each time a request holding no
+blocks fails to allocate while loads hold blocks (#57841's step 3), the
+connector's deferrals, the requests admitted as async loads.  After it:
+the tokens, the blocks loaded by the worker, and the free device blocks
+once everything is done.
 ``{"connector": false}``: stock 0.32, same passes (the reference tokens).
+``pause_at_step``: the scheduler is paused there for good (the stall bound's
+own check).
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ import time
 
 # This folder's run_offload (first on the path: the script's folder); it
 # puts tests/e2e (result_out) on the path too.
-from run_offload import CPU_BYTES, worker_info  # noqa: E402
+from run_offload import CPU_BYTES, worker_info
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
+from vllm_overlay.demo import cpu_defaults, tiny_model_path
 
 DEFAULTS = {
     "gpu_blocks": 12,  # 11 usable (block 0 is vLLM's null block)
@@ -43,7 +47,7 @@ DEFAULTS = {
     "a_host_blocks": 3,
     "d_tokens": 600,
     "f_tokens": 400,  # F<i>: 4 blocks, no hit
-    "max_tokens": 48,  # crosses a block boundary for the fillers
+    "max_tokens": 48,  # fillers stay within their 4 blocks
     "max_num_seqs": 8,
     "max_num_batched_tokens": 2048,
     "chunked": True,
