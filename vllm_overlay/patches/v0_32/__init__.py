@@ -4,11 +4,19 @@ framework; the overlay adds only what it lacks, through its interfaces."""
 
 from __future__ import annotations
 
-from vllm_overlay.patches.v0_32 import patch_cpu_attn, patch_cpu_offload_spec
+from vllm_overlay.patches.v0_32 import (
+    patch_arg_utils,
+    patch_cpu_attn,
+    patch_cpu_offload_spec,
+    patch_engine_core,
+)
 
 MODULES = (
     # Cross-layer KV blocks on the CPU platform
     patch_cpu_attn,
     # Upstream's OffloadingConnector on the CPU platform
     patch_cpu_offload_spec,
+    # Pipeline-parallel KV budget split by layers (--enable-pp-prop-kv-cache)
+    patch_arg_utils,
+    patch_engine_core,
 )
