@@ -1,7 +1,6 @@
 """What ``register()`` installs on a vLLM the overlay does not support, and
 on a supported one for the features that do not run there
-(``version_gate.FEATURE_RELEASES``: on 0.32, the overlay's own connectors
-and the PP flag so far).
+(``version_gate.FEATURE_RELEASES``: on 0.32, the overlay's own connectors).
 
 On an unsupported vLLM nothing of vLLM is patched and a configuration
 without overlay features runs stock vLLM.  A configuration that asks for
@@ -20,7 +19,8 @@ public extension points:
   ``additional_config["enable_pp_prop_kv_cache"]``, in the front end before
   any engine process starts (``LLM``, ``vllm serve``);
 - ``EngineArgs.add_cli_args`` keeps ``--enable-pp-prop-kv-cache`` known to
-  ``vllm serve``, as a flag that refuses to be given.
+  ``vllm serve``, as a flag that refuses to be given (where the flag does
+  not run; where it does, the patch set adds the real one).
 
 ``vllm_overlay.connectors`` itself refuses to be imported, so
 ``kv_connector_module_path`` cannot reach a connector past the gate.
@@ -38,6 +38,7 @@ from vllm_overlay.version_gate import (
     FEATURE_RELEASES,
     OFFLOADING_SPECS,
     engine_refusal,
+    feature_runs_on,
     installed_vllm_version,
     listed,
     unsupported_error,
@@ -128,6 +129,8 @@ def _guard_cli_flag() -> None:
 
     from vllm_overlay.integration import pp_kv
 
+    if feature_runs_on("pp_prop_kv_cache", installed_vllm_version()):
+        return  # the release's patch set adds the working flag
     original = EngineArgs.add_cli_args
     if getattr(original, _GUARD, False):
         return

@@ -79,7 +79,7 @@ OFFLOADING_SPECS = {
 # through upstream's interfaces instead (patches/v0_32).
 FEATURE_RELEASES: dict[str, tuple[str, ...]] = {
     "connectors": ("0.11.2",),  # CONNECTORS, OFFLOADING_SPECS
-    "pp_prop_kv_cache": ("0.11.2",),  # --enable-pp-prop-kv-cache
+    "pp_prop_kv_cache": ("0.11.2", "0.32.x"),  # --enable-pp-prop-kv-cache
 }
 
 

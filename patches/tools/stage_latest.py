@@ -142,8 +142,24 @@ class Staged:
     diff: str
 
 
-def patch_modules() -> list:
+# Patch modules of the set that are not staged (series name -> why): their
+# patches wrap upstream's function (call it mid-body), which render_patch
+# cannot turn into an edit of upstream's code.
+NOT_STAGED = {
+    "arg-utils": "wraps EngineArgs.add_cli_args/from_cli_args/"
+    "create_engine_config (the 0.11.2 form is patches/pp-kv-budget)",
+    "engine-core": "wraps get_kv_cache_configs (the 0.11.2 form is "
+    "patches/pp-kv-budget)",
+}
+
+
+def all_patch_modules() -> list:
     return list(importlib.import_module(f"vllm_overlay.patches.{PATCH_SET}").MODULES)
+
+
+def patch_modules() -> list:
+    """The staged ones (NOT_STAGED left out)."""
+    return [m for m in all_patch_modules() if series_name(m) not in NOT_STAGED]
 
 
 def series_name(module) -> str:
@@ -285,8 +301,12 @@ def render(root: pathlib.Path, staged: list[Staged]) -> dict[str, str]:
         f"# vLLM {LATEST_VERSION}: written by patches/tools/stage_latest.py from "
         f"vllm_overlay/patches/{PATCH_SET} (run on vLLM {record['reference']})",
     ]
-    for module in patch_modules():
+    for module in all_patch_modules():
         series = series_name(module)
+        if series in NOT_STAGED:
+            ids = ", ".join(p.id for p in module.PATCHES)
+            lines.append(f"# {series}: {ids}: not staged: {NOT_STAGED[series]}")
+            continue
         mine = [s for s in staged if s.name.startswith(series + "/")]
         ids = ", ".join(p.id for p in module.PATCHES)
         lines.append(f"# {series}: {ids} ({module.__name__})")

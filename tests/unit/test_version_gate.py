@@ -286,11 +286,12 @@ def test_doctor_says_an_overlay_switch_is_an_error(monkeypatch):
 
 
 def test_a_feature_of_one_release_is_refused_on_the_other():
-    """On 0.32 the overlay's own connectors and the PP flag do not run
+    """On 0.32 the overlay's own connectors do not run, the PP flag does
     (tests/v0_32 checks the refusals on real vLLM 0.32)."""
     assert version_gate.feature_runs_on("connectors", "0.11.2")
     assert not version_gate.feature_runs_on("connectors", "0.32.0")
-    assert not version_gate.feature_runs_on("pp_prop_kv_cache", "0.32.0")
+    assert version_gate.feature_runs_on("pp_prop_kv_cache", "0.32.0")
+    assert version_gate.feature_runs_on("pp_prop_kv_cache", "0.11.2")
     error = str(
         version_gate.unsupported_error(["kv_connector 'X'"], "0.32.0", "connectors")
     )

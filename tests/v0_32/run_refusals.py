@@ -1,6 +1,7 @@
 """vLLM 0.32 with the overlay: what ``register()`` did, and the startup
 error for each overlay feature that runs on 0.11.2 only (its connectors,
-its offloading spec, ``--enable-pp-prop-kv-cache``), printed as JSON.
+its offloading spec), and ``--enable-pp-prop-kv-cache`` on the command line
+(which runs on 0.32 too), printed as JSON.
 
     python run_refusals.py '{}'
 """
@@ -54,7 +55,6 @@ def main(config: dict) -> dict:
                 kv_connector_module_path="vllm_overlay.connectors.shared_pool",
             )
         ),
-        "pp_flag": llm(additional_config={"enable_pp_prop_kv_cache": True}),
     }
     result = {name: attempt(fn) for name, fn in cases.items()}
 

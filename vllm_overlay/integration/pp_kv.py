@@ -10,6 +10,7 @@ splits the offloading connector's ``cpu_bytes`` across the stages.
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 from vllm_overlay.core.pp_budget import StageBudget, split_budget
@@ -19,6 +20,34 @@ logger = logging.getLogger("vllm.overlay")
 
 FLAG = "enable_pp_prop_kv_cache"
 CLI_FLAG = "--enable-pp-prop-kv-cache"
+
+
+def add_cli_flag(parser):
+    """``EngineArgs.add_cli_args``: the option on vLLM's command line."""
+    parser.add_argument(
+        CLI_FLAG,
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="(vllm-overlay) Treat --kv-cache-memory-bytes as the KV budget "
+        "of the whole pipeline and give each pipeline stage a share "
+        "proportional to its layers (VLLM_PP_LAYER_PARTITION), so every "
+        "stage fits the same number of blocks. Needs "
+        "--kv-cache-memory-bytes.",
+    )
+    return parser
+
+
+def carry_cli_flag(engine_args, args):
+    """``EngineArgs.from_cli_args``: EngineArgs has no field for the
+    option; it travels in ``additional_config``, which reaches every
+    process of the engine."""
+    flag = getattr(args, FLAG, None)
+    if flag is not None:
+        engine_args.additional_config = {
+            **(engine_args.additional_config or {}),
+            FLAG: flag,
+        }
+    return engine_args
 
 
 def enabled(vllm_config) -> bool:

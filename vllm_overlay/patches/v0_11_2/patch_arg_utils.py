@@ -8,8 +8,6 @@ validates it (budget given, partition matches the model, one block fits on
 every stage) before any worker starts.
 """
 
-import argparse
-
 from vllm_overlay.core.patching import REGISTRY, Patch
 from vllm_overlay.integration import pp_kv
 
@@ -18,30 +16,12 @@ MODULE = "vllm.engine.arg_utils"
 
 @staticmethod
 def add_cli_args(parser):
-    parser = REGISTRY.original("PP-01")(parser)
-    parser.add_argument(
-        pp_kv.CLI_FLAG,
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="(vllm-overlay) Treat --kv-cache-memory-bytes as the KV budget "
-        "of the whole pipeline and give each pipeline stage a share "
-        "proportional to its layers (VLLM_PP_LAYER_PARTITION), so every "
-        "stage fits the same number of blocks. Needs "
-        "--kv-cache-memory-bytes.",
-    )
-    return parser
+    return pp_kv.add_cli_flag(REGISTRY.original("PP-01")(parser))
 
 
 @classmethod
 def from_cli_args(cls, args):
-    engine_args = REGISTRY.original("PP-02").__func__(cls, args)
-    flag = getattr(args, pp_kv.FLAG, None)
-    if flag is not None:
-        engine_args.additional_config = {
-            **(engine_args.additional_config or {}),
-            pp_kv.FLAG: flag,
-        }
-    return engine_args
+    return pp_kv.carry_cli_flag(REGISTRY.original("PP-02").__func__(cls, args), args)
 
 
 def create_engine_config(self, *args, **kwargs):

@@ -5,8 +5,10 @@ framework; the overlay adds only what it lacks, through its interfaces."""
 from __future__ import annotations
 
 from vllm_overlay.patches.v0_32 import (
+    patch_arg_utils,
     patch_cpu_attn,
     patch_cpu_offload_spec,
+    patch_engine_core,
     patch_tiering_spec,
 )
 
@@ -17,4 +19,7 @@ MODULES = (
     patch_cpu_offload_spec,
     # ... and its TieringOffloadingSpec (CPU primary tier + secondary tiers)
     patch_tiering_spec,
+    # Pipeline-parallel KV budget split by layers (--enable-pp-prop-kv-cache)
+    patch_arg_utils,
+    patch_engine_core,
 )
