@@ -49,6 +49,9 @@ import vllm
 from vllm.platforms import current_platform
 assert vllm.__version__.startswith("0.32."), vllm.__version__
 assert current_platform.is_cpu(), f"platform is {current_platform!r}, expected CPU"
+from importlib.metadata import version
+assert version("vllm").startswith("0.32."), version("vllm")  # what lm-eval reads
+import lm_eval.models.vllm_causallms  # noqa: F401
 print(f"vLLM {vllm.__version__} on {type(current_platform).__name__}: OK")
 PY
 echo "$stamp" > "$venv/.harness-stamp"
