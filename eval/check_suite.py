@@ -26,7 +26,7 @@ import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run_eval import ROOT, load_config  # noqa: E402
+from run_eval import ROOT, config_paths, load_config  # noqa: E402
 
 from vllm_overlay.demo import redis_server  # noqa: E402
 
@@ -40,7 +40,8 @@ def run_path(
     break_layout: bool = False,
     timeout: int = 1200,
 ) -> dict:
-    """One path in a fresh process; returns run_eval.py's result."""
+    """One path in a fresh process (this interpreter: its vLLM release);
+    returns run_eval.py's result."""
     tmp = tempfile.TemporaryDirectory()
     out = pathlib.Path(tmp.name) / "result.json"
     cmd = [
@@ -133,7 +134,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     config = load_config(args.config)
-    paths = [p for p in config["paths"] if p != "stock"]
+    paths = [p for p in config_paths(config) if p != "stock"]
     if args.paths:
         paths = [p for p in args.paths.split(",") if p in paths]
     stock = run_path(args.config, "stock")

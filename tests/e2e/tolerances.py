@@ -13,13 +13,23 @@ shows against itself:
   these tests.  ``test_stock_drift_is_within_the_stated_tolerance`` measures
   it again on whatever machine runs the suite and fails if it grew.
 * bfloat16 and the copy model: hit and recompute coincide.
+* stock vLLM 0.32.0, float32, CPU (CPU_ATTN, the tiny Llama): a device
+  prefix-cache hit vs a recompute of the same prompts differs by 0.0 batched
+  and 0.0 for one request on the AVX-512 EPYC (2 cores, 2026-11-24); the
+  same prompts with the same hit lengths, batched vs one request at a time
+  (a schedule difference, as when requests wait for async loads), differ by
+  up to 2.4e-6 there.  ``tests/v0_32/test_stock_drift_cpu.py`` measures
+  all three again on whatever machine runs the suite.
 
-``STOCK_FLOAT32_DRIFT`` is five times the largest drift measured.
+``STOCK_FLOAT32_DRIFT`` is five times the largest drift measured on 0.11.2;
+``STOCK_FLOAT32_DRIFT_0_32`` five times the largest measured on 0.32 (the
+schedule difference).
 """
 
 from __future__ import annotations
 
 STOCK_FLOAT32_DRIFT = 1e-5
+STOCK_FLOAT32_DRIFT_0_32 = 1.2e-5
 
 
 def max_abs_diff(got: list[list[float]], want: list[list[float]]) -> float:

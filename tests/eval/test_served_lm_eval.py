@@ -12,60 +12,26 @@ copy_gen.  The server is always stopped.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "tests"))
 from check_suite import DEFAULT_CONFIG, expected_problems  # noqa: E402
 from run_eval import load_config  # noqa: E402
+from support.served_vllm import (  # noqa: E402
+    BIN,
+    SERVED_NAME,
+    harness_env,
+    served_model,
+)
 
 CONFIG = load_config(DEFAULT_CONFIG)
 MODEL = ROOT / CONFIG["model_name"]
 TASKS = ROOT / CONFIG["include_path"]
-SERVED_NAME = "copy_llama"
-BIN = pathlib.Path(sys.executable).parent
-
-
-def serve_flags(config: dict) -> list[str]:
-    """The config's engine arguments as ``vllm serve`` flags."""
-    flags = []
-    for key, value in config["model_args"].items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is not False and value is not None:
-            flags += [flag, str(value)]
-    return flags
-
-
-def serve_command(port: int) -> list[str]:
-    vllm = BIN / "vllm"
-    cli = (
-        [str(vllm)]
-        if vllm.exists()
-        else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    )
-    return cli + [
-        "serve",
-        str(MODEL),
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *serve_flags(CONFIG),
-    ]
 
 
 def lm_eval_command(port: int, output: pathlib.Path) -> list[str]:
@@ -98,79 +64,6 @@ def lm_eval_command(port: int, output: pathlib.Path) -> list[str]:
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def harness_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("HF_DATASETS_OFFLINE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.pop("VLLM_OVERLAY_DISABLE", None)  # the overlay must be loaded
-    return env
-
-
-def tail(path: pathlib.Path, chars: int = 6000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
-
-@contextlib.contextmanager
-def served_model(log: pathlib.Path, startup_s: float = 240.0):
-    """``vllm serve`` on a free loopback port until /health answers."""
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            serve_command(port),
-            env=harness_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=log.parent,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"vllm serve exited ({proc.returncode}):\n{tail(log)}"
-                )
-            try:
-                with urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/health", timeout=2
-                ) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"vllm serve not healthy after {startup_s:.0f} s:\n{tail(log)}"
-                )
-            time.sleep(1.0)
-        yield port
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT the server's process group (EngineCore included), then kill."""
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def results_file(output: pathlib.Path) -> dict:
     found = sorted(output.rglob("results_*.json"))
     assert found, f"no results_*.json under {output}"
@@ -182,7 +75,7 @@ def test_served_model_reaches_the_suite_values(tmp_path):
     workdir.mkdir()
     log = tmp_path / "serve.log"
     output = tmp_path / "lm_eval_out"
-    with served_model(log) as port:
+    with served_model(CONFIG, log) as port:
         proc = subprocess.run(
             lm_eval_command(port, output),
             cwd=workdir,

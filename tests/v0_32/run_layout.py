@@ -2,6 +2,8 @@
 passes over prompts of 1 to 5 blocks (cold, then from the device prefix
 cache), greedy tokens with their logprobs and cached tokens, the KV cache
 layout vLLM resolved and what the worker's KV tensors really are.
+``{"single": true}`` adds two passes of one request at a time: each prompt
+after the device prefix cache is emptied (a recompute), then again (a hit).
 
     python run_layout.py '{}'    # env: VLLM_KV_CACHE_LAYOUT, VLLM_OVERLAY_*
 """
@@ -60,6 +62,13 @@ def main(config: dict) -> dict:
     passes = []
     for _ in range(2):  # the second pass hits the prefix cache
         passes.append(records(llm.generate(prompts(), params, use_tqdm=False)))
+    if config.get("single"):  # each prompt alone: recomputed, then a hit
+        single = [[], []]
+        for text in prompts():
+            assert llm.reset_prefix_cache()
+            for again in (0, 1):
+                single[again] += records(llm.generate([text], params, use_tqdm=False))
+        passes += single
     return {"passes": passes, "kv": llm.collective_rpc(inspect_worker)[0]}
 
 
