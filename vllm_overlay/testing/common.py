@@ -48,9 +48,7 @@ def copy_model_path() -> str:
     """The trained copy model: ``$VLLM_OVERLAY_COPY_MODEL`` when set, else
     eval/model/copy_llama of the source checkout this package runs from.
     An error naming both when neither holds the model."""
-    configured = os.environ.get(COPY_MODEL_ENV) or os.environ.get(
-        "VLLM_OVERLAY_DEMO_MODEL"  # its former name
-    )
+    configured = os.environ.get(COPY_MODEL_ENV)
     path = pathlib.Path(configured) if configured else _CHECKOUT_COPY_MODEL
     if not (path / "model.safetensors").exists():
         where = (
