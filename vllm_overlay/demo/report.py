@@ -134,8 +134,9 @@ def speed_note(recompute_ms: float, reload_ms: float, prompt_tokens: str) -> str
         measured
         + verdict
         + f" On CPU the 2-layer, 64-wide copy model prefills {prompt_tokens} "
-        "tokens in milliseconds, so either way the margin is small and the "
-        "shared CPU makes it noisy; reloading pays off where prefill is "
-        "expensive (big models, long prompts: benchmarks/bench_prefix_reuse.py)."
-        " This demo shows what moves and that the copy stays exact, not speed."
+        "tokens in milliseconds, and on a shared CPU one run's timings are "
+        "noisy (the best of each row is in brackets); reloading pays off where "
+        "prefill is expensive (big models, long prompts: "
+        "benchmarks/bench_prefix_reuse.py). This demo shows what moves and "
+        "that the copy stays exact, not speed."
     )

@@ -63,10 +63,10 @@ def run_demo(
     """The demo on the installed vLLM (``release``: fail unless it is that
     one).  Returns the exit status: 0 when every row copied exactly."""
     started = time.perf_counter()
-    plan_module = _plan_module(release)
     cpu_defaults()
-    if not verbose:
+    if not verbose:  # before vLLM is first imported (it reads it then)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    plan_module = _plan_module(release)
     try:
         model = copy_model_path()
     except FileNotFoundError as exc:
