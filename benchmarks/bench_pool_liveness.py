@@ -61,31 +61,20 @@ def prefix_prompt(round_: int, i: int) -> str:
 
 # -- engine process ----------------------------------------------------------
 def engine(spec: dict) -> None:
-    from vllm_overlay.demo import cpu_defaults, tiny_model_path
+    from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
+    from vllm_overlay.testing.v0_11_2 import pool_connector
 
     cpu_defaults()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    in_process_engine(rpc=False)
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     kv = None
     if spec.get("url"):
-        extra = {"url": spec["url"], **POOL_OPTIONS}
+        extra = dict(POOL_OPTIONS)
         if spec.get("cluster"):
             extra["cluster"] = True
-        kv = KVTransferConfig(
-            kv_connector="SharedKVPoolConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
-    llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=kv,
-    )
+        kv = pool_connector(spec["url"], **extra)
+    llm = LLM(**tiny_engine_args(num_gpu_blocks_override=None, kv_transfer_config=kv))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     slowest = {"ms": 0.0}
     if kv is not None:

@@ -125,42 +125,29 @@ class EngineServer:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in-process
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc
         os.environ.update(spec.get("env") or {})
-        import logging
 
         import torch
         import vllm.logger  # noqa: F401  (configures vLLM's loggers first)
 
-        from vllm_overlay.demo_node import _enable_request_metrics, _LayoutLines
+        from vllm_overlay.testing.observe import LayoutLines, enable_request_metrics
+        from vllm_overlay.testing.v0_11_2 import offload_connector, pool_connector
 
         torch.set_num_threads(spec["threads"])
         self.spec = spec
-        self.layout_lines = _LayoutLines()
-        overlay_logger = logging.getLogger("vllm.overlay")
-        overlay_logger.addHandler(self.layout_lines)
-        if overlay_logger.getEffectiveLevel() > logging.INFO:
-            overlay_logger.setLevel(logging.INFO)
+        self.layout_lines = LayoutLines().attach()
 
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
         kv = None
         if spec["connector"] == "offload":
-            kv = KVTransferConfig(
-                kv_connector="OverlayOffloadingConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"cpu_bytes": spec["host_bytes"]},
-            )
+            kv = offload_connector(cpu_bytes=spec["host_bytes"])
         elif spec["connector"] == "pool":
-            kv = KVTransferConfig(
-                kv_connector="SharedKVPoolConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={
-                    "url": spec["url"],
-                    "namespace": "prefix-reuse",
-                    "timeout_s": 10.0,
-                    "connect_timeout_s": 2.0,
-                    "max_inflight_bytes": spec["pool_inflight_bytes"],
-                },
+            kv = pool_connector(
+                spec["url"],
+                "prefix-reuse",
+                timeout_s=10.0,
+                connect_timeout_s=2.0,
+                max_inflight_bytes=spec["pool_inflight_bytes"],
             )
         started = time.perf_counter()
         self.llm = LLM(
@@ -173,7 +160,7 @@ class EngineServer:
             kv_transfer_config=kv,
         )
         self.engine_s = time.perf_counter() - started
-        if not _enable_request_metrics(self.llm):
+        if not enable_request_metrics(self.llm):
             raise RuntimeError("vLLM's request metrics could not be enabled")
         self.scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
@@ -182,9 +169,9 @@ class EngineServer:
     def _info(self) -> dict:
         if self.spec["connector"] is None:
             return {}
-        from vllm_overlay.demo_node import _worker_info
+        from vllm_overlay.testing.v0_11_2 import connector_info
 
-        return self.llm.collective_rpc(_worker_info)[0]
+        return self.llm.collective_rpc(connector_info)[0]
 
     def _counters(self) -> dict:
         totals = self._info().get("totals") or {}
@@ -429,7 +416,7 @@ def main() -> int:
     load_start = _loadavg()
 
     sys.path.insert(0, str(ROOT))
-    from vllm_overlay.demo import _quiet, cpu_defaults, tiny_model_path
+    from vllm_overlay.testing import cpu_defaults, quiet, tiny_model_path
 
     cpu_defaults()  # HF offline, nobind, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
     if args.model:
@@ -473,7 +460,7 @@ def main() -> int:
     )
 
     # Import vLLM once here: each forked engine then only builds itself.
-    with _quiet(os.path.join(workdir, "import.log")):
+    with quiet(os.path.join(workdir, "import.log")):
         import vllm.logger  # noqa: F401
         from vllm import LLM  # noqa: F401
         from vllm.config import KVTransferConfig  # noqa: F401

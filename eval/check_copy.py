@@ -17,7 +17,7 @@ import sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 if __name__ == "__main__":
-    from vllm_overlay.demo import cpu_defaults
+    from vllm_overlay.testing import cpu_defaults
 
     cpu_defaults()
     if "--break-layout" in sys.argv:

@@ -28,7 +28,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from run_eval import ROOT, config_paths, load_config  # noqa: E402
 
-from vllm_overlay.demo import redis_server  # noqa: E402
+from vllm_overlay.testing.redis import redis_server  # noqa: E402
 
 DEFAULT_CONFIG = HERE / "configs" / "copy-llama.yaml"
 

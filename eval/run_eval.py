@@ -224,7 +224,7 @@ def main() -> None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import torch
 
-    from vllm_overlay.demo import cpu_defaults
+    from vllm_overlay.testing import cpu_defaults
 
     if not torch.cuda.is_available():
         cpu_defaults()

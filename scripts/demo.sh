@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
-# The demo: builds the CPU harness if needed, then runs vLLM 0.11.2 with the
+# The demo: builds the CPU harnesses if needed, then runs vLLM with the
 # overlay on the trained copy model (eval/model/copy_llama): recompute, device
-# prefix hit, reload from host memory (OverlayOffloadingConnector, cross-layer
-# and stock layouts) and from a Redis pool in another process
-# (SharedKVPoolConnector; needs redis-server), as one table.  About a minute
-# on 2 idle cores once the harness exists.  Options: --no-pool,
-# --no-stock-layout, --prompts N, --max-tokens N, --json PATH, --verbose.
+# prefix hit, reload from host memory (cross-layer and stock layouts) as one
+# table.  About a minute on 2 idle cores once the harness exists.
+#
+#   bash scripts/demo.sh               # vLLM 0.11.2 (.venv): the overlay's
+#                                      # connectors, and a Redis pool read by
+#                                      # another process (needs redis-server)
+#   bash scripts/demo.sh --vllm 0.32   # vLLM 0.32 (.venv-0.32): upstream's
+#                                      # OffloadingConnector on CPU with the
+#                                      # overlay's worker, cross-layer blocks
+#                                      # on CPU_ATTN, against stock 0.32
+#
+# Other options: --no-pool, --no-stock-layout, --prompts N, --max-tokens N,
+# --json PATH, --verbose.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+release=0.11.2
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[$i]}" in
+    --vllm) release=${args[$((i + 1))]:-} ;;
+    --vllm=*) release=${args[$i]#--vllm=} ;;
+  esac
+done
+case "$release" in
+  0.11.2) python=${OVERLAY_VENV:-$root/.venv}/bin/python ;;
+  0.32) python=${OVERLAY_VENV_0_32:-$root/.venv-0.32}/bin/python ;;
+  *) echo "demo.sh: --vllm 0.11.2 or 0.32 (got '$release')" >&2; exit 2 ;;
+esac
 bash "$root/scripts/setup_env.sh"
 # vLLM 0.11.2's torch.compiled CPU sampler corrupts the heap on some AVX-512
 # machines; eager sampling does not (see tox.ini).
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
-exec "${OVERLAY_VENV:-$root/.venv}/bin/python" -m vllm_overlay demo "$@"
+exec "$python" -m vllm_overlay demo --vllm "$release" "$@"

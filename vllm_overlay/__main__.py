@@ -255,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the copy model: recompute, device hit, reload from "
         "host memory and from a Redis pool, as one table",
     )
+    demo.add_argument(
+        "--vllm",
+        choices=["0.11.2", "0.32"],
+        help="the release the demo is for; it runs on the vLLM installed in "
+        "this Python and stops if that is another one (scripts/demo.sh "
+        "--vllm picks the harness)",
+    )
     demo.add_argument("--no-pool", action="store_true", help="skip the Redis pool row")
     demo.add_argument(
         "--no-stock-layout",
@@ -273,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_overlay.demo import run_demo
 
     return run_demo(
+        release=args.vllm,
         pool=not args.no_pool,
         stock_layout=not args.no_stock_layout,
         num_prompts=args.prompts,

@@ -21,7 +21,8 @@ import sys
 
 from prompt_words import WORDS
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, tiny_engine_args
+from vllm_overlay.testing.v0_11_2 import probe_connector
 
 
 def prompts() -> list[str]:
@@ -118,20 +119,11 @@ def main(config: dict) -> dict:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc fn
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     kv_transfer_config = None
     if config.get("connector"):
-        extra = {}
-        if config["connector"] == "probe-no-prefer":
-            extra["prefer_cross_layer_blocks"] = False
-        # The module path lets the probe load with the overlay disabled
-        # (the upstream-style patched tree in patches/).
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="CrossLayerProbeConnector",
-            kv_role="kv_both",
-            kv_connector_module_path="vllm_overlay.connectors.probe",
-            kv_connector_extra_config=extra,
+        kv_transfer_config = probe_connector(
+            prefer=config["connector"] != "probe-no-prefer"
         )
     kwargs = {}
     if config.get("chunked"):
@@ -139,14 +131,11 @@ def main(config: dict) -> dict:
             enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4
         )
     llm = LLM(
-        model=tiny_model_path(),
-        dtype=config.get("dtype", "float32"),
-        max_model_len=1024,
-        num_gpu_blocks_override=48,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=kv_transfer_config,
-        **kwargs,
+        **tiny_engine_args(
+            dtype=config.get("dtype", "float32"),
+            kv_transfer_config=kv_transfer_config,
+            **kwargs,
+        )
     )
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     passes = []

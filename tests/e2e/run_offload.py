@@ -26,7 +26,8 @@ import sys
 
 from prompt_words import WORDS
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, tiny_engine_args
+from vllm_overlay.testing.v0_11_2 import offload_connector
 
 
 def prompt(n_words: int, shift: int) -> str:
@@ -61,7 +62,6 @@ def main(config: dict) -> dict:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     kv_transfer_config = None
     if config.get("connector") == "offload":
@@ -71,20 +71,13 @@ def main(config: dict) -> dict:
         }
         if "method" in config:
             extra["transfer_method"] = config["method"]
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="OverlayOffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
+        kv_transfer_config = offload_connector(**extra)
     llm = LLM(
-        model=tiny_model_path(),
-        dtype=config.get("dtype", "float32"),
-        max_model_len=1024,
-        num_gpu_blocks_override=48,
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=not multiprocess,
-        kv_transfer_config=kv_transfer_config,
+        **tiny_engine_args(
+            dtype=config.get("dtype", "float32"),
+            disable_log_stats=not multiprocess,
+            kv_transfer_config=kv_transfer_config,
+        )
     )
     if config.get("seeded"):  # random sampling, reproducible per request
         params = SamplingParams(

@@ -24,7 +24,9 @@ import time
 
 from prompt_words import WORDS
 
-from vllm_overlay.demo import cpu_defaults, redis_server_command, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
+from vllm_overlay.testing.redis import redis_server_command
+from vllm_overlay.testing.v0_11_2 import TEST_POOL_OPTIONS, pool_connector
 
 
 def prompts(kind: str) -> list[str]:
@@ -45,41 +47,18 @@ def worker_pool_totals(worker) -> dict:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    in_process_engine()
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     kv_transfer_config = None
     if config.get("url"):
-        extra = {
-            "url": config["url"],
-            "namespace": config.get("namespace", "test"),
-            "retry_backoff_s": 0.2,
-            "max_retry_backoff_s": 0.5,
-            "timeout_s": 1.0,
-            "connect_timeout_s": 0.5,
-            # These tests check what is loaded: a lookup starved of CPU on a
-            # loaded 2-core runner must not turn a hit into a recompute.
-            # (tests/unit/test_pool_liveness.py covers slow pools.)
-            "lookup_wait_s": 1.0,
-        }
+        extra = dict(TEST_POOL_OPTIONS)
         if config.get("cluster"):
             extra["cluster"] = True
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="SharedKVPoolConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
+        kv_transfer_config = pool_connector(
+            config["url"], config.get("namespace", "test"), **extra
         )
-    llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=1024,
-        num_gpu_blocks_override=48,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=kv_transfer_config,
-    )
+    llm = LLM(**tiny_engine_args(kv_transfer_config=kv_transfer_config))
     scheduler_connector = None
     if kv_transfer_config is not None:
         scheduler_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector

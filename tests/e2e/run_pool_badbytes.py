@@ -22,7 +22,8 @@ import sys
 
 from run_pool import prompts, worker_pool_totals
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
+from vllm_overlay.testing.v0_11_2 import TEST_POOL_OPTIONS, pool_connector
 
 SECRET_ENV = "VKV_E2E_BADBYTES_SECRET"
 
@@ -64,10 +65,8 @@ def block_keys(connector, outputs) -> dict:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    in_process_engine()
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     if config.get("checks_off"):
         from vllm_overlay.core.pool import codec
@@ -75,32 +74,12 @@ def main(config: dict) -> dict:
         codec.check = lambda *args, **kwargs: None
     kv_transfer_config = None
     if config.get("url"):
-        extra = {
-            "url": config["url"],
-            "namespace": "badbytes",
-            "retry_backoff_s": 0.2,
-            "max_retry_backoff_s": 0.5,
-            "timeout_s": 1.0,
-            "connect_timeout_s": 0.5,
-            "lookup_wait_s": 1.0,  # as run_pool.py: a hit stays a hit
-        }
+        extra = dict(TEST_POOL_OPTIONS)  # as run_pool.py: a hit stays a hit
         if config.get("secret"):
             os.environ[SECRET_ENV] = config["secret"]
             extra["secret_env"] = SECRET_ENV
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="SharedKVPoolConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
-    llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=1024,
-        num_gpu_blocks_override=48,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=kv_transfer_config,
-    )
+        kv_transfer_config = pool_connector(config["url"], "badbytes", **extra)
+    llm = LLM(**tiny_engine_args(kv_transfer_config=kv_transfer_config))
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
 
     def run() -> tuple[list[dict], list]:

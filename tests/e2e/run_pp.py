@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, tiny_engine_args
 
 
 def worker_kv(worker) -> dict:
@@ -49,12 +49,7 @@ def main(config: dict) -> dict:
     if "flag_field" in config:  # the patches/pp-kv-budget engine argument
         kwargs["enable_pp_prop_kv_cache"] = config["flag_field"]
     llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        seed=0,
-        **kwargs,
+        **tiny_engine_args(max_model_len=512, num_gpu_blocks_override=None, **kwargs)
     )
     prompts = [
         "The cache of the model",

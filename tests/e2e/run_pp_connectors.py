@@ -26,13 +26,13 @@ Phases, one engine:
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 
 from prompt_words import WORDS
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
+from vllm_overlay.testing.v0_11_2 import offload_connector, pool_connector
 
 PRESSURE_WORDS = [300] * 12
 COLD_WORDS = [530, 400, 270]
@@ -67,41 +67,26 @@ def worker_pool(worker) -> dict:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    in_process_engine()
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     connector = config.get("connector")
     kv_transfer_config = None
     if connector == "offload":
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="OverlayOffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes": config["cpu_bytes"]},
-        )
+        kv_transfer_config = offload_connector(cpu_bytes=config["cpu_bytes"])
     elif connector == "pool":
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="SharedKVPoolConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "url": config["url"],
-                "namespace": "pp",
-                "timeout_s": 2.0,
-                # A lookup starved of CPU on a loaded 2-core runner must not
-                # turn a hit into a recompute.
-                "lookup_wait_s": 2.0,
-            },
+        # A lookup starved of CPU on a loaded 2-core runner must not turn a
+        # hit into a recompute.
+        kv_transfer_config = pool_connector(
+            config["url"], "pp", timeout_s=2.0, lookup_wait_s=2.0
         )
     llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        seed=0,
-        pipeline_parallel_size=2,
-        distributed_executor_backend="mp",
-        kv_transfer_config=kv_transfer_config,
+        **tiny_engine_args(
+            num_gpu_blocks_override=None,
+            pipeline_parallel_size=2,
+            distributed_executor_backend="mp",
+            kv_transfer_config=kv_transfer_config,
+        )
     )
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)

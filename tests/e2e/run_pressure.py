@@ -18,13 +18,13 @@ acted (deferred admissions, reorders, resumes after a load).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
 from prompt_words import WORDS
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
+from vllm_overlay.testing.v0_11_2 import offload_connector, pool_connector
 
 PRESSURE_WORDS = [*WORDS, "eight", "ocean", "light"]
 
@@ -133,33 +133,24 @@ def summary(out) -> dict:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    in_process_engine(rpc=False)
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     kv_transfer_config = None
     if config.get("connector") == "offload":
-        kv_transfer_config = KVTransferConfig(
-            # vLLM's tree with patches/ applied names it CrossLayer...
-            kv_connector=config.get("name", "OverlayOffloadingConnector"),
-            kv_role="kv_both",
-            kv_connector_extra_config={"num_cpu_blocks": 64},
+        # vLLM's tree with patches/ applied names it CrossLayer...
+        kv_transfer_config = offload_connector(
+            config.get("name", "OverlayOffloadingConnector"), num_cpu_blocks=64
         )
     elif config.get("connector") == "pool":
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="SharedKVPoolConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"url": config["url"], "namespace": "pressure"},
-        )
+        kv_transfer_config = pool_connector(config["url"], "pressure")
     llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=512,
-        num_gpu_blocks_override=config.get("gpu_blocks", 10),
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=True,
-        kv_transfer_config=kv_transfer_config,
+        **tiny_engine_args(
+            max_model_len=512,
+            num_gpu_blocks_override=config.get("gpu_blocks", 10),
+            disable_log_stats=True,
+            kv_transfer_config=kv_transfer_config,
+        )
     )
     # 320 prompt tokens and 80 generated: the decode crosses into a 4th
     # block, so running requests preempt each other as well.

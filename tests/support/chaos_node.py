@@ -72,31 +72,25 @@ class Node:
 
     # -- engine ------------------------------------------------------------
     def start(self) -> None:
-        from vllm_overlay.demo import cpu_defaults, tiny_model_path
+        from vllm_overlay.testing import (
+            cpu_defaults,
+            in_process_engine,
+            tiny_engine_args,
+        )
+        from vllm_overlay.testing.v0_11_2 import pool_connector
 
         cpu_defaults()
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        in_process_engine(rpc=False)
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
         kv = None
         if self.config.get("url"):
-            kv = KVTransferConfig(
-                kv_connector="SharedKVPoolConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={
-                    "url": self.config["url"],
-                    **self.config.get("pool", {}),
-                },
-            )
+            kv = pool_connector(self.config["url"], **self.config.get("pool", {}))
         self.llm = LLM(
-            model=tiny_model_path(),
-            dtype="float32",
-            max_model_len=1024,
-            num_gpu_blocks_override=self.config.get("num_blocks", 64),
-            enforce_eager=True,
-            seed=0,
-            kv_transfer_config=kv,
+            **tiny_engine_args(
+                num_gpu_blocks_override=self.config.get("num_blocks", 64),
+                kv_transfer_config=kv,
+            )
         )
         self.engine = self.llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler

@@ -162,7 +162,7 @@ def _preimport() -> None:
         "vllm.distributed.kv_transfer.kv_connector.v1.shared_storage_connector",
         "vllm_overlay.connectors",
         "vllm_overlay.integration.cross_layer",
-        "vllm_overlay.demo",
+        "vllm_overlay.testing",
         "_pytest.pytester",
         "pytest",
     ):

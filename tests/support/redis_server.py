@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 
-from vllm_overlay.demo import redis_server_command
+from vllm_overlay.testing.redis import redis_server_command
 
 
 def _is_free(port: int) -> bool:

@@ -42,7 +42,7 @@ def build(connector: str = "OverlayOffloadingConnector", extra_config=None):
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from vllm_overlay.demo import tiny_model_path
+    from vllm_overlay.testing import tiny_model_path
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)

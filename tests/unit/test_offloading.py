@@ -42,7 +42,7 @@ def make_spec(extra, block_size=16, with_model=False, parallel=None):
     if with_model:
         from vllm.config import ModelConfig
 
-        from vllm_overlay.demo import tiny_model_path
+        from vllm_overlay.testing import tiny_model_path
 
         kwargs["model_config"] = ModelConfig(model=tiny_model_path(), dtype="float32")
     config = VllmConfig(

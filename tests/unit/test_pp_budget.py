@@ -58,7 +58,7 @@ def test_stage_blocks_and_too_small_budget():
 def engine_config(monkeypatch, partition=None, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_overlay.demo import tiny_model_path
+    from vllm_overlay.testing import tiny_model_path
 
     if partition:
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
@@ -118,7 +118,7 @@ def test_command_line_flag_reaches_additional_config(overlay):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vllm_overlay.demo import tiny_model_path
+    from vllm_overlay.testing import tiny_model_path
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     assert "--enable-pp-prop-kv-cache" in parser.format_help()

@@ -30,7 +30,7 @@ TAIL = " Install vLLM 0.11.2 or 0.32.x, or remove it to run stock vLLM."
 PRELUDE = """
 import contextlib, io, json, sys, vllm
 vllm.__version__ = sys.argv[1]
-from vllm_overlay.demo import tiny_model_path
+from vllm_overlay.testing import tiny_model_path
 MODEL = tiny_model_path()
 results = {}
 

@@ -1,0 +1,104 @@
+"""The demo on vLLM 0.32 (``python -m vllm_overlay demo --vllm 0.32``, what
+``bash scripts/demo.sh --vllm 0.32`` runs in .venv-0.32): the copy model's
+KV goes to host memory through upstream's OffloadingConnector (the
+overlay's CPU worker, patch OF32-01) and comes back with stock vLLM 0.32's
+tokens, one copy per block with cross-layer blocks on CPU_ATTN (BLHNC,
+patch CL32-01) and one per layer without."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# The copy model: 2 layers; a block is 128 tokens of K and V for both
+# layers, 2 heads of 64 floats: 2 * 2 * 128 * 2 * 64 * 4 bytes.
+LAYERS, BLOCK_TOKENS, BLOCK_BYTES = 2, 128, 131072
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "demo.json"
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay", "demo", "--vllm", "0.32"]
+        + ["--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    summary = json.loads(out.read_text())
+    return text, summary, {row["path"]: row for row in summary["rows"]}
+
+
+def test_every_row_has_stock_tokens(demo):
+    text, summary, rows = demo
+    assert summary["release"] == "0.32" and summary["ok"] and not summary["errors"]
+    assert "| path" in text and "tokens = stock" in text
+    stock = rows.pop("stock vLLM 0.32, device hit")
+    assert stock["copy"]["all_exact"] and stock["cached_tokens"] > 0
+    assert sorted(rows) == sorted(
+        [
+            "recompute (cold)",
+            "device prefix hit",
+            "host reload",
+            "host reload, per-layer layout",
+        ]
+    )
+    for path, row in rows.items():
+        assert row["copy"]["same_tokens_as_stock"] is True, path
+        assert row["copy"]["all_exact"], path
+
+
+def test_host_reload_moves_one_copy_per_block_with_cross_layer_blocks(demo):
+    _, summary, rows = demo
+    reload = rows["host reload"]
+    # The prefix came back from host memory: blocks loaded, as many cached
+    # tokens as stock's device prefix hit, none recomputed.
+    assert reload["blocks_in"] > 0
+    assert reload["bytes_in"] == reload["blocks_in"] * BLOCK_BYTES
+    assert reload["cached_tokens"] == reload["blocks_in"] * BLOCK_TOKENS
+    assert reload["cached_tokens"] == rows["device prefix hit"]["cached_tokens"]
+    assert reload["copies_per_block"] == 1
+    per_layer = rows["host reload, per-layer layout"]
+    assert per_layer["blocks_in"] == reload["blocks_in"]
+    assert per_layer["copies_per_block"] == LAYERS
+    raw = summary["raw"]
+    assert raw["main"]["info"]["layout"] == "BLHNC"
+    assert raw["main"]["info"]["worker"] == "CPUPlatformOffloadingWorker"
+    assert raw["per_layer"]["info"]["layout"] == "LBHNC"
+    assert "kind" not in raw["stock"]["info"]  # stock: no connector
+
+
+def test_footnote_states_what_this_run_measured(demo):
+    text, _, rows = demo
+    recompute = rows["recompute (cold)"]["ttft_ms"]
+    reload = rows["host reload"]["ttft_ms"]
+    assert (
+        f"* In this run the host reload took {reload:.1f} ms and the recompute "
+        f"{recompute:.1f} ms" in text
+    )
+    assert "pool reload row: not on vLLM 0.32" in text
+
+
+def test_the_demo_refuses_another_release():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay", "demo", "--vllm", "0.11.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "this Python runs vLLM 0.32" in proc.stderr
+    assert "bash scripts/demo.sh --vllm 0.11.2" in proc.stderr

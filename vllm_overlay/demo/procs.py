@@ -1,0 +1,104 @@
+"""Demo engines in forked children of the demo's process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import time
+
+
+def wait_for(path: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {timeout_s} s")
+        time.sleep(0.05)
+
+
+class NodeProcess:
+    """A ``node.Node`` in a forked child of this process.
+
+    The parent has imported vLLM (the bulk of an engine's start-up on CPU)
+    but not started an engine nor registered the overlay, so the child only
+    builds its engine, and registers the overlay with its own environment
+    (the config's ``env``: e.g. patches to skip).  The child builds its
+    engine at once, writes ``<name>.json.ready``, waits for ``.go`` (the
+    demo measures one engine at a time), runs its passes and writes
+    ``<name>.json``.
+    """
+
+    def __init__(self, name: str, config: dict, workdir: str) -> None:
+        self.name = name
+        self.out = os.path.join(workdir, f"{name}.json")
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        self.returncode: int | None = None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child never returns from here
+            code = 1
+            try:
+                log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT, 0o644)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                from vllm_overlay.demo.node import Node
+
+                node = Node(config)
+                open(self.out + ".ready", "w").close()
+                wait_for(self.out + ".go")
+                result = node.run_passes()
+                with open(self.out + ".tmp", "w") as f:
+                    json.dump(result, f)
+                os.replace(self.out + ".tmp", self.out)
+                code = 0
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # no vLLM teardown, no parent atexit hooks
+
+    def _poll(self) -> bool:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode is not None
+
+    def _wait(self, path: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if self._poll() and not os.path.exists(path):
+                raise RuntimeError(
+                    self._failure(f"exited with status {self.returncode}")
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(self._failure("timed out"))
+            time.sleep(0.05)
+
+    def _failure(self, what: str) -> str:
+        try:
+            tail = pathlib.Path(self.log_path).read_text()[-3000:]
+        except OSError:
+            tail = ""
+        return f"{self.name} engine {what} (log {self.log_path}):\n{tail}"
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        self._wait(self.out + ".ready", timeout_s)
+
+    def measure(self, timeout_s: float = 180) -> dict:
+        open(self.out + ".go", "w").close()
+        self._wait(self.out, timeout_s)
+        return json.loads(pathlib.Path(self.out).read_text())
+
+    def stop(self) -> None:
+        if not self._poll():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+            self.returncode = -9
