@@ -19,7 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 from result_out import records  # noqa: E402
 from run_llm import prompts  # noqa: E402
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
+from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
 
 
 def inspect_worker(worker) -> dict:
@@ -50,14 +50,7 @@ def main(config: dict) -> dict:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc fn
     from vllm import LLM, SamplingParams
 
-    llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=1024,
-        num_gpu_blocks_override=48,
-        enforce_eager=True,
-        seed=0,
-    )
+    llm = LLM(**tiny_engine_args())
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     passes = []
     for _ in range(2):  # the second pass hits the prefix cache

@@ -31,9 +31,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 from result_out import records  # noqa: E402
 from run_llm import prompts  # noqa: E402
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
+from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
+from vllm_overlay.testing.v0_32 import CPU_BYTES  # noqa: E402
+from vllm_overlay.testing.v0_32 import connector_info as worker_info  # noqa: E402
 
-CPU_BYTES = 64 * 2**20  # host memory for offloaded KV
 FS_DEADLINE_S = 120.0  # the fs tier's writes land well within this
 
 
@@ -57,28 +58,6 @@ def fs_files(root: str) -> int:
     return sum(1 for _ in pathlib.Path(root).rglob("*.bin"))
 
 
-def worker_info(worker) -> dict:
-    from vllm.distributed.kv_transfer import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
-
-    info = {
-        "layout": worker.model_runner.cache_config.get_resolved_kv_cache_layout().name
-    }
-    if not has_kv_transfer_group():
-        return info
-    offload = get_kv_transfer_group().connector_worker.worker
-    info.update(
-        worker=type(offload).__name__,
-        copies=dict(offload.copies),
-        blocks=dict(offload.blocks),
-        runs_per_block=offload.table.runs_per_block,
-        block_bytes=offload.table.block_bytes,
-    )
-    return info
-
-
 def main(config: dict) -> dict:
     cpu_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -93,15 +72,7 @@ def main(config: dict) -> dict:
             kv_role="kv_both",
             kv_connector_extra_config=extra_config(config),
         )
-    llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=1024,
-        num_gpu_blocks_override=48,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=kv,
-    )
+    llm = LLM(**tiny_engine_args(kv_transfer_config=kv))
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
 
     def run(batch: list[str] | None = None) -> list[dict]:

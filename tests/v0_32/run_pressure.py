@@ -38,7 +38,7 @@ import time
 # puts tests/e2e (result_out) on the path too.
 from run_offload import CPU_BYTES, worker_info
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, tiny_model_path
 
 DEFAULTS = {
     "gpu_blocks": 12,  # 11 usable (block 0 is vLLM's null block)

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 
-from vllm_overlay.demo import cpu_defaults, tiny_model_path  # noqa: E402
+from vllm_overlay.testing import cpu_defaults, tiny_model_path  # noqa: E402
 
 
 def attempt(fn) -> dict:

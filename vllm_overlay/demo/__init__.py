@@ -32,8 +32,4 @@ measurements run one at a time.
 
 from vllm_overlay.demo.run import DEFAULT_RELEASE, run_demo
 
-# tests/v0_32/run_*.py still import these two from here; they move to
-# vllm_overlay.testing with the 0.32 runners.  Nothing else may.
-from vllm_overlay.testing import cpu_defaults, tiny_model_path  # noqa: F401
-
 __all__ = ["DEFAULT_RELEASE", "run_demo"]
