@@ -469,7 +469,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
     for rel in meta["releases"]:
         for layout, i in rel["engines"].items():
             how = (
-                f"one buffer, block stride = {i['layers_per_block_stride']} layer pages"
+                f"{i['buffers']} buffer(s) for {i['num_layers']} layers, block "
+                f"stride = {i['layers_per_block_stride']} x one layer's block"
             )
             if i.get("resolved_layout"):
                 how = f"{i['resolved_layout']}, " + how
