@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -406,6 +407,7 @@ def summarise(releases: list[dict]) -> list[dict]:
                     "stock_tok_s": _stats(tok["stock"]),
                     "cross_tok_s": _stats(tok["cross-layer"]),
                     "ratio": _stats(ratio),
+                    "ratio_ci": median_ci(ratio),
                     "median_step_ratio": _stats(step_ratio),
                     "same_tokens": sum(
                         x["runs"]["stock"]["tokens"]
@@ -416,6 +418,24 @@ def summarise(releases: list[dict]) -> list[dict]:
                 }
             )
     return rows
+
+
+def median_ci(values: list[float]) -> tuple[float, float, float] | None:
+    """A distribution-free confidence interval of the median (the sign
+    test's order statistics): the k-th smallest and k-th largest values,
+    k the largest rank whose binomial tail stays within 2.5 %; returns
+    (low, high, coverage), or None when fewer than 6 values allow none."""
+    n = len(values)
+    tail, k = 0.0, 0
+    while True:
+        nxt = tail + math.comb(n, k) / 2**n  # P(X <= k)
+        if nxt > 0.025:
+            break
+        tail, k = nxt, k + 1
+    if k == 0:
+        return None
+    x = sorted(values)
+    return x[k - 1], x[n - k], 1 - 2 * tail
 
 
 def _fmt(s: dict, f: str) -> str:
@@ -441,6 +461,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
         "stock decode tok/s: median [min, max]",
         "cross-layer decode tok/s: median [min, max]",
         "cross-layer / stock tok/s (paired): median [min, max]",
+        "ratio's median: 95% CI (sign test)",
         "same tokens (rounds)",
         "rounds",
     ]
@@ -455,6 +476,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
             _fmt(row["stock_tok_s"], ".1f"),
             _fmt(row["cross_tok_s"], ".1f"),
             _fmt(row["ratio"], ".3f"),
+            "-"
+            if row["ratio_ci"] is None
+            else "[{:.3f}, {:.3f}] ({:.1%})".format(*row["ratio_ci"]),
             f"{row['same_tokens']}/{row['rounds']}",
             str(row["rounds"]),
         ]
@@ -464,7 +488,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
         "decode tok/s = tokens the batch generated in the steps after every "
         "request had its first token / those steps' seconds (each "
         "LLMEngine.step() timed in the engine's process); prefill and the "
-        "first token excluded.  Ratio > 1: cross-layer faster."
+        "first token excluded.  Ratio > 1: cross-layer faster; the CI "
+        "(its coverage in brackets) needs 6+ rounds."
     )
     for rel in meta["releases"]:
         for layout, i in rel["engines"].items():
