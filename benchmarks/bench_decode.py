@@ -319,6 +319,10 @@ def run_release(args, model: str, cells: list[tuple[int, int]], out: str) -> Non
         for ctx in contexts:  # the largest batch's prompts hold every batch's
             for e in engines.values():
                 e.call("run", **cmd(ctx, max_batch, 2))
+        print(
+            f"[{release}] {time.perf_counter() - started:.0f} s, warm-up done",
+            flush=True,
+        )
         for r in range(args.rounds):
             order = LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]
             rec = {"round": r + 1, "order": list(order), "cells": []}
@@ -338,7 +342,8 @@ def run_release(args, model: str, cells: list[tuple[int, int]], out: str) -> Non
                 for c in rec["cells"]
             )
             print(
-                f"[{release}] round {r + 1}/{args.rounds}: decode tok/s "
+                f"[{release}] {time.perf_counter() - started:.0f} s, "
+                f"round {r + 1}/{args.rounds}: decode tok/s "
                 f"stock/cross-layer {line}",
                 flush=True,
             )
