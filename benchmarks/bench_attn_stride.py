@@ -72,7 +72,9 @@ def layer_views(release: str, layout: str, shape: dict, generator):
     return out
 
 
-def attention_call(release: str, shape: dict, ctx: int, batch: int, seed: int):
+def attention_call(
+    release: str, shape: dict, ctx: int, batch: int, seed: int, sequential: bool
+):
     """A function running the op on one layer's (K, V), and its inputs."""
     import torch
     from vllm import _custom_ops as ops
@@ -81,7 +83,10 @@ def attention_call(release: str, shape: dict, ctx: int, batch: int, seed: int):
     H, N, D = shape["heads"], shape["tokens"], shape["dim"]
     g = torch.Generator().manual_seed(seed)
     per_seq = ctx // N + 1  # the context's blocks and the decode token's
-    ids = torch.randperm(shape["blocks"], generator=g)[: batch * per_seq]
+    if sequential:  # as a fresh engine hands them out: one run per request
+        ids = torch.arange(batch * per_seq)
+    else:
+        ids = torch.randperm(shape["blocks"], generator=g)[: batch * per_seq]
     block_table = ids.view(batch, per_seq).to(torch.int32).contiguous()
     seq_lens = torch.full((batch,), ctx + 1, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
@@ -140,6 +145,12 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=8, help="KV heads (= query heads)")
     ap.add_argument("--dim", type=int, default=64, help="head size")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--block-ids",
+        choices=("random", "sequential"),
+        default="random",
+        help="each request's blocks: random distinct ids, or consecutive ones",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -162,7 +173,9 @@ def main() -> int:
     rows, problems = [], []
     for ctx in contexts:
         for batch in batches:
-            run, isa = attention_call(release, shape, ctx, batch, seed=ctx + batch)
+            run, isa = attention_call(
+                release, shape, ctx, batch, ctx + batch, args.block_ids == "sequential"
+            )
             outs = {}
             for layout, kv in caches.items():  # correctness first
                 outs[layout] = [torch.zeros(batch, args.heads, args.dim) for _ in kv]
@@ -216,7 +229,8 @@ def main() -> int:
     print(
         f"CPU_ATTN decode op (vLLM {release}, ISA {rows[0]['isa']}), "
         f"{args.layers} layers x {args.heads} KV heads x {args.dim}, float32, "
-        f"128-token blocks, {args.threads} thread(s); {args.reps} interleaved "
+        f"128-token blocks ({args.block_ids} block ids), {args.threads} "
+        f"thread(s); {args.reps} interleaved "
         f"steps per layout; load average {[round(x, 2) for x in os.getloadavg()]}."
     )
     head = [

@@ -244,6 +244,7 @@ class DecodeServer:
             if decode
             else None,
             "prefill_s": sum(dt for dt, _, d in steps if not d),
+            "step_s": [round(dt, 6) for dt, _ in decode],
         }
 
 
