@@ -415,6 +415,7 @@ def summarise(releases: list[dict]) -> list[dict]:
                     "ratio": _stats(ratio),
                     "ratio_ci": median_ci(ratio),
                     "median_step_ratio": _stats(step_ratio),
+                    "median_step_ratio_ci": median_ci(step_ratio),
                     "same_tokens": sum(
                         x["runs"]["stock"]["tokens"]
                         == x["runs"]["cross-layer"]["tokens"]
@@ -444,6 +445,10 @@ def median_ci(values: list[float]) -> tuple[float, float, float] | None:
     return x[k - 1], x[n - k], 1 - 2 * tail
 
 
+def _ci(ci: tuple | None) -> str:
+    return "-" if ci is None else "[{:.3f}, {:.3f}] ({:.1%})".format(*ci)
+
+
 def _fmt(s: dict, f: str) -> str:
     return f"{s['median']:{f}} [{s['min']:{f}}, {s['max']:{f}}]"
 
@@ -468,6 +473,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
         "cross-layer decode tok/s: median [min, max]",
         "cross-layer / stock tok/s (paired): median [min, max]",
         "ratio's median: 95% CI (sign test)",
+        "cross-layer / stock by each run's median step (paired): median, 95% CI",
         "same tokens (rounds)",
         "rounds",
     ]
@@ -482,9 +488,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
             _fmt(row["stock_tok_s"], ".1f"),
             _fmt(row["cross_tok_s"], ".1f"),
             _fmt(row["ratio"], ".3f"),
-            "-"
-            if row["ratio_ci"] is None
-            else "[{:.3f}, {:.3f}] ({:.1%})".format(*row["ratio_ci"]),
+            _ci(row["ratio_ci"]),
+            f"{row['median_step_ratio']['median']:.3f}, "
+            + _ci(row["median_step_ratio_ci"]),
             f"{row['same_tokens']}/{row['rounds']}",
             str(row["rounds"]),
         ]
@@ -494,8 +500,11 @@ def print_table(rows: list[dict], meta: dict) -> None:
         "decode tok/s = tokens the batch generated in the steps after every "
         "request had its first token / those steps' seconds (each "
         "LLMEngine.step() timed in the engine's process); prefill and the "
-        "first token excluded.  Ratio > 1: cross-layer faster; the CI "
-        "(its coverage in brackets) needs 6+ rounds."
+        "first token excluded.  Ratio > 1: cross-layer faster; a CI (its "
+        "coverage in brackets) needs 6+ rounds.  The median-step ratio (a "
+        "run's median step time, stock's over cross-layer's) ignores the "
+        "few steps another process stalled: on a shared machine, trust it "
+        "over the tok/s ratio."
     )
     for rel in meta["releases"]:
         for layout, i in rel["engines"].items():
@@ -579,9 +588,16 @@ def main() -> int:
     ap.add_argument("--model", help="a model folder (default: built/cached)")
     ap.add_argument("--json", help="default benchmarks/results/decode.json")
     ap.add_argument("--seed", type=int, default=7000)
+    ap.add_argument("--replot", metavar="JSON", help="print the table of a run")
     ap.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     ap.add_argument("--child-model", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(pathlib.Path(args.replot).read_text())
+        print_table(summarise(saved["releases"]), saved["meta"])
+        for p in saved["problems"]:
+            print(f"PROBLEM: {p}")
+        return 0
     args.rounds = args.rounds or (1 if args.quick else 10)
     args.max_tokens = args.max_tokens or (8 if args.quick else 32)
     cells = cells_of(args)
