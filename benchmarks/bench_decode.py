@@ -52,7 +52,7 @@ folder.  ``--quick`` is the smoke test (tiny 4-layer model, short contexts,
 one round).
 
     python benchmarks/bench_decode.py --python .venv/bin/python \\
-        --python .venv-0.32/bin/python --rounds 10
+        --python .venv-0.32/bin/python --rounds 12
     python benchmarks/bench_decode.py --quick
 
 Prints the table; writes ``--json`` (default
@@ -570,7 +570,7 @@ def main() -> int:
         action="append",
         help="an interpreter with a vLLM release; repeat for each (default: this one)",
     )
-    ap.add_argument("--rounds", type=int, help="default 10 (--quick: 1)")
+    ap.add_argument("--rounds", type=int, help="default 12 (--quick: 1)")
     ap.add_argument(
         "--contexts",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -598,7 +598,7 @@ def main() -> int:
         for p in saved["problems"]:
             print(f"PROBLEM: {p}")
         return 0
-    args.rounds = args.rounds or (1 if args.quick else 10)
+    args.rounds = args.rounds or (1 if args.quick else 12)
     args.max_tokens = args.max_tokens or (8 if args.quick else 32)
     cells = cells_of(args)
     if any(c % 128 for c, _ in cells):
