@@ -36,11 +36,17 @@ round (checked; a difference is a problem and exit status 1).
 Rounds are interleaved and paired: in each round every (context, batch)
 cell runs on both engines back to back, the order swapped from round to
 round (ABBA...); the ratio cross-layer / stock is taken within the round
-and summarised as median [min, max] over rounds.
+and summarised as median [min, max] over rounds, with a distribution-free
+95% confidence interval of the median (sign test; 6+ rounds).  A second
+ratio uses each run's median step time instead of its total: a step that
+another process stalled moves the total, not the median, so on a shared
+machine that ratio is the one to read.  Every step's seconds are in the
+JSON.
 
 Each release runs in its own interpreter (``--python``, one per release,
-default: this one); in it both engines are forked children, idle while the
-other is measured, one OpenMP thread each (``--threads``).
+default: this one; ``decode_release.py`` is that half); in it both engines
+are forked children, idle while the other is measured, one OpenMP thread
+each (``--threads``).
 
 The default model is a Llama-shaped random-weight model whose decode is
 dominated by KV reads at long contexts (``build_bench_llama.Shape``:
@@ -56,7 +62,8 @@ one round).
     python benchmarks/bench_decode.py --quick
 
 Prints the table; writes ``--json`` (default
-``benchmarks/results/decode.json``; ``--quick``: a temporary folder).
+``benchmarks/results/decode.json``; ``--quick``: a temporary folder);
+``--replot JSON`` prints a saved run's table again.
 """
 
 from __future__ import annotations
@@ -67,7 +74,6 @@ import math
 import os
 import pathlib
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,9 +82,14 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_prefix_reuse import Engine, _loadavg, _stats, prompt_ids  # noqa: E402
+from bench_prefix_reuse import _loadavg, _stats  # noqa: E402
+from decode_release import (  # noqa: E402
+    LAYOUTS,
+    engine_spec,
+    kv_bytes_per_token,
+    run_release,
+)
 
-LAYOUTS = ("stock", "cross-layer")
 # KV-heavy shape (see the docstring): build_bench_llama.Shape fields.
 MODEL_SHAPE = {
     "layers": 16,
@@ -88,306 +99,6 @@ MODEL_SHAPE = {
     "head_dim": 64,
     "intermediate": 1024,
 }
-
-
-def engine_spec(release: str, layout: str) -> dict:
-    """How each release gets each layout (see the docstring)."""
-    cross = layout == "cross-layer"
-    if release.startswith("0.11."):
-        return {
-            "connector": {
-                "kv_connector": "CrossLayerProbeConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"prefer_cross_layer_blocks": cross},
-            },
-            "env": {},
-        }
-    return {
-        "connector": None,
-        "env": {"VLLM_KV_CACHE_LAYOUT": "BLHNC"} if cross else {},
-    }
-
-
-# -- engine side (a forked child) ---------------------------------------------
-def kv_layout(worker) -> dict:
-    """Runs in the worker (collective_rpc): every attention layer's KV tensor
-    and how many layers' pages its block stride spans."""
-    import torch
-    import vllm
-
-    runner = worker.model_runner
-    num_blocks = runner.cache_config.num_gpu_blocks
-    # Block dimension: 0.11.2's CPU_ATTN shape is (2, blocks, heads, tokens,
-    # head_size); 0.32's is (blocks, heads, tokens, 2 * head_size).
-    block_dim = 1 if vllm.__version__.startswith("0.11.") else 0
-    layers = []
-    for layer in runner.compilation_config.static_forward_context.values():
-        cache = getattr(layer, "kv_cache", None)
-        if cache is None:
-            continue
-        t = cache[0] if isinstance(cache, (list, tuple)) else cache
-        if not isinstance(t, torch.Tensor) or not t.numel():
-            continue
-        assert t.shape[block_dim] == num_blocks, (t.shape, num_blocks)
-        page = t.numel() // num_blocks  # one layer's KV of one block
-        layers.append(
-            {
-                "shape": list(t.shape),
-                "stride": list(t.stride()),
-                "storage": t.untyped_storage().data_ptr(),
-                "layers_per_block_stride": t.stride(block_dim) / page,
-            }
-        )
-    resolved = getattr(runner.cache_config, "get_resolved_kv_cache_layout", None)
-    return {
-        "vllm": vllm.__version__,
-        "num_layers": len(layers),
-        "num_blocks": num_blocks,
-        "block_size": runner.cache_config.block_size,
-        "buffers": len({x["storage"] for x in layers}),
-        "layers_per_block_stride": sorted(
-            {x["layers_per_block_stride"] for x in layers}
-        ),
-        "layer0": layers[0] if layers else None,
-        "resolved_layout": resolved().name if resolved else None,
-        "cross_layer_buffer": getattr(runner, "cross_layers_kv_cache", None)
-        is not None,
-    }
-
-
-class DecodeServer:
-    def __init__(self, spec: dict) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in-process
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc
-        os.environ.update(spec["env"])
-        import torch
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        torch.set_num_threads(spec["threads"])
-        kv = KVTransferConfig(**spec["connector"]) if spec["connector"] else None
-        started = time.perf_counter()
-        self.llm = LLM(
-            model=spec["model"],
-            dtype="float32",
-            max_model_len=spec["max_model_len"],
-            max_num_seqs=spec["max_batch"],
-            num_gpu_blocks_override=spec["num_blocks"],
-            enforce_eager=True,
-            seed=0,
-            kv_transfer_config=kv,
-        )
-        self.engine_s = time.perf_counter() - started
-        self.runs = 0
-
-    def handle(self, op: str, cmd: dict):
-        if op == "run":
-            return self.run(cmd)
-        if op == "describe":
-            import resource
-
-            return {
-                **self.llm.collective_rpc(kv_layout)[0],
-                "engine_s": self.engine_s,
-                "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                / 1024,
-            }
-        raise ValueError(f"unknown op {op!r}")
-
-    def run(self, cmd: dict) -> dict:
-        """The batch's prompts at once; every step timed."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=cmd["max_tokens"],
-            ignore_eos=True,
-            output_kind=RequestOutputKind.DELTA,
-        )
-        self.runs += 1
-        names = [f"run{self.runs}-{i:03d}" for i in range(len(cmd["seeds"]))]
-        for name, seed in zip(names, cmd["seeds"]):
-            ids = prompt_ids(seed, cmd["n"], cmd["vocab"])
-            engine.add_request(name, TokensPrompt(prompt_token_ids=ids), params)
-        tokens: dict[str, list[int]] = {}
-        cached: dict[str, int] = {}
-        steps = []  # (seconds, tokens generated, every request had a token before)
-        while engine.has_unfinished_requests():
-            decoding = len(tokens) == len(names)
-            t0 = time.perf_counter()
-            outs = engine.step()
-            dt = time.perf_counter() - t0
-            new = 0
-            for o in outs:
-                got = list(o.outputs[0].token_ids)
-                tokens.setdefault(o.request_id, []).extend(got)
-                new += len(got)
-                if o.finished:
-                    cached[o.request_id] = o.num_cached_tokens or 0
-            steps.append((dt, new, decoding))
-        order = sorted(tokens)  # the names, possibly with a suffix vLLM added
-        decode = [(dt, n) for dt, n, d in steps if d]
-        decode_s = sum(dt for dt, _ in decode)
-        decode_tokens = sum(n for _, n in decode)
-        return {
-            "tokens": [tokens[r] for r in order],
-            "cached_tokens": [cached.get(r) for r in order],
-            "steps": len(steps),
-            "decode_steps": len(decode),
-            "decode_tokens": decode_tokens,
-            "decode_s": decode_s,
-            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None,
-            "median_step_s": statistics.median(dt for dt, _ in decode)
-            if decode
-            else None,
-            "prefill_s": sum(dt for dt, _, d in steps if not d),
-            "step_s": [round(dt, 6) for dt, _ in decode],
-        }
-
-
-# -- one release, in its own interpreter -----------------------------------------
-def run_release(args, model: str, cells: list[tuple[int, int]], out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    sys.path.insert(0, str(ROOT))
-    from vllm_overlay.demo import _quiet, cpu_defaults
-
-    cpu_defaults()
-    workdir = tempfile.mkdtemp(prefix="bench-decode-")
-    with _quiet(os.path.join(workdir, "import.log")):
-        import vllm
-        from vllm import LLM  # noqa: F401  (imported once, before the forks)
-    release = vllm.__version__
-    cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
-    vocab = cfg["vocab_size"]
-    block = 128  # CPU_ATTN's block size on both releases (checked below)
-    max_batch = max(b for _, b in cells)
-    contexts = sorted({c for c, _ in cells})
-    # A prompt of context + 1 tokens: its context tokens are full blocks the
-    # prefix cache serves; the one token left is the round's prefill.
-    cached_blocks = max_batch * sum(c // block for c in contexts)
-    work_blocks = max_batch * (2 + (1 + args.max_tokens) // block)
-    base = {
-        "model": model,
-        "threads": args.threads,
-        "max_model_len": max(contexts) + 1 + args.max_tokens + block,
-        "max_batch": max_batch,
-        "num_blocks": cached_blocks + 2 * work_blocks + 8,
-    }
-    kv_bytes = base["num_blocks"] * block * kv_bytes_per_token(cfg)
-    # The CPU platform sizes its KV space from this (GiB); the override sets
-    # the block count within it.
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(-(-kv_bytes // 2**30) + 1)
-    print(
-        f"[{release}] engines starting (logs in {workdir}); "
-        f"{base['num_blocks']} KV blocks each",
-        flush=True,
-    )
-    started = time.perf_counter()
-    engines: dict[str, Engine] = {}
-    result: dict = {"release": release, "rounds": [], "problems": []}
-    try:
-        for layout in LAYOUTS:
-            spec = {**base, **engine_spec(release, layout)}
-            engines[layout] = Engine(layout, spec, workdir, server=DecodeServer)
-        for e in engines.values():
-            e.wait_ready()
-        info = {k: e.call("describe") for k, e in engines.items()}
-        result["engines"] = info
-        result["problems"] += check_layouts(info)
-        if any(i["block_size"] != block for i in info.values()):
-            raise SystemExit(f"block size is not {block}: {info}")
-        print(
-            f"[{release}] engines up in {time.perf_counter() - started:.0f} s; "
-            "warm-up (every prompt prefilled once)",
-            flush=True,
-        )
-
-        def cmd(ctx: int, batch: int, max_tokens: int) -> dict:
-            seeds = [args.seed + 1000 * ctx + i for i in range(batch)]
-            return {
-                "seeds": seeds,
-                "n": ctx + 1,
-                "vocab": vocab,
-                "max_tokens": max_tokens,
-            }
-
-        for ctx in contexts:  # the largest batch's prompts hold every batch's
-            for e in engines.values():
-                e.call("run", **cmd(ctx, max_batch, 2))
-        print(
-            f"[{release}] {time.perf_counter() - started:.0f} s, warm-up done",
-            flush=True,
-        )
-        for r in range(args.rounds):
-            order = LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]
-            rec = {"round": r + 1, "order": list(order), "cells": []}
-            for ctx, batch in cells:
-                runs = {}
-                for layout in order:
-                    time.sleep(0.2)  # the other engine's threads go idle
-                    runs[layout] = engines[layout].call(
-                        "run", **cmd(ctx, batch, args.max_tokens + 1)
-                    )
-                rec["cells"].append({"context": ctx, "batch": batch, "runs": runs})
-                result["problems"] += check_cell(r + 1, ctx, batch, runs, block)
-            result["rounds"].append(rec)
-            line = ", ".join(
-                f"{c['context']}x{c['batch']} "
-                + "/".join(f"{c['runs'][k]['decode_tok_s']:.1f}" for k in LAYOUTS)
-                for c in rec["cells"]
-            )
-            print(
-                f"[{release}] {time.perf_counter() - started:.0f} s, "
-                f"round {r + 1}/{args.rounds}: decode tok/s "
-                f"stock/cross-layer {line}",
-                flush=True,
-            )
-    finally:
-        for e in engines.values():
-            e.stop()
-    result["wall_s"] = time.perf_counter() - started
-    pathlib.Path(out).write_text(json.dumps(result))
-    if not result["problems"]:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def check_layouts(info: dict) -> list[str]:
-    """stock: block stride spans one layer; cross-layer: all of them, one buffer."""
-    out = []
-    for layout, i in info.items():
-        spans = i["layers_per_block_stride"]
-        if layout == "cross-layer":
-            ok = spans == [i["num_layers"]] and i["buffers"] == 1
-        else:
-            ok = len(spans) == 1 and spans[0] <= 1
-        if not ok or i["num_layers"] < 2:
-            out.append(
-                f"engine {layout}: block stride spans {spans} layer(s) in "
-                f"{i['buffers']} buffer(s) of {i['num_layers']} layers"
-            )
-    return out
-
-
-def check_cell(r: int, ctx: int, batch: int, runs: dict, block: int) -> list[str]:
-    out = []
-    where = f"round {r}, context {ctx}, batch {batch}"
-    if runs["stock"]["tokens"] != runs["cross-layer"]["tokens"]:
-        out.append(f"{where}: the layouts generated different tokens")
-    for layout, res in runs.items():
-        if res["cached_tokens"] != [ctx // block * block] * batch:
-            out.append(
-                f"{where}, {layout}: cached tokens {res['cached_tokens']} "
-                f"(expected {ctx // block * block} each)"
-            )
-        if not res["decode_tok_s"] or res["decode_tokens"] < batch:
-            out.append(f"{where}, {layout}: no decode steps")
-    return out
 
 
 # -- driver ----------------------------------------------------------------------
@@ -549,11 +260,6 @@ def ensure_model(args, python: str) -> str:
     if built.returncode:
         raise SystemExit(f"building the model failed:\n{built.stderr[-3000:]}")
     return built.stdout.splitlines()[-1]
-
-
-def kv_bytes_per_token(cfg: dict) -> int:
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
 
 
 def cells_of(args) -> list[tuple[int, int]]:
