@@ -151,6 +151,11 @@ def main() -> int:
         default="random",
         help="each request's blocks: random distinct ids, or consecutive ones",
     )
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A: a second stock allocation in place of the cross-layer one",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -166,9 +171,16 @@ def main() -> int:
     shape = dict(
         layers=args.layers, blocks=blocks, heads=args.heads, tokens=N, dim=args.dim
     )
+    # --control: the "cross-layer" column is a second stock allocation (an
+    # A/A run: what two allocations of the same layout differ by).
     caches = {
-        layout: layer_views(release, layout, shape, torch.Generator().manual_seed(1))
-        for layout in ("stock", "cross-layer")
+        key: layer_views(
+            release,
+            "stock" if args.control else key,
+            shape,
+            torch.Generator().manual_seed(1),
+        )
+        for key in ("stock", "cross-layer")
     }
     rows, problems = [], []
     for ctx in contexts:
@@ -230,9 +242,11 @@ def main() -> int:
         f"CPU_ATTN decode op (vLLM {release}, ISA {rows[0]['isa']}), "
         f"{args.layers} layers x {args.heads} KV heads x {args.dim}, float32, "
         f"128-token blocks ({args.block_ids} block ids), {args.threads} "
-        f"thread(s); {args.reps} interleaved "
-        f"steps per layout; load average {[round(x, 2) for x in os.getloadavg()]}."
+        f"thread(s); {args.reps} interleaved steps per layout; load average "
+        f"{[round(x, 2) for x in os.getloadavg()]}."
     )
+    if args.control:
+        print("CONTROL run: the cross-layer column is a 2nd stock allocation.")
     head = [
         "vLLM",
         "context",
