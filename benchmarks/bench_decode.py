@@ -41,7 +41,9 @@ and summarised as median [min, max] over rounds, with a distribution-free
 ratio uses each run's median step time instead of its total: a step that
 another process stalled moves the total, not the median, so on a shared
 machine that ratio is the one to read.  Every step's seconds are in the
-JSON.
+JSON.  ``--control`` is the A/A run: the second engine is a stock one too,
+so its ratios are what two engines of the same layout differ by (a layout
+effect smaller than that floor is not resolved).
 
 Each release runs in its own interpreter (``--python``, one per release,
 default: this one; ``decode_release.py`` is that half); in it both engines
@@ -85,6 +87,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_prefix_reuse import _loadavg, _stats  # noqa: E402
 from decode_release import (  # noqa: E402
     LAYOUTS,
+    as_built,
     engine_spec,
     kv_bytes_per_token,
     run_release,
@@ -174,6 +177,11 @@ def print_table(rows: list[dict], meta: dict) -> None:
         f"CPUs, load average {meta['loadavg_start']} at the start, "
         f"{meta['loadavg_end']} at the end."
     )
+    if meta.get("control"):
+        print(
+            "CONTROL run (A/A): the cross-layer columns are a second stock "
+            "engine; the ratios are two engines' noise floor."
+        )
     print()
     head = [
         "vLLM",
@@ -294,6 +302,11 @@ def main() -> int:
     ap.add_argument("--model", help="a model folder (default: built/cached)")
     ap.add_argument("--json", help="default benchmarks/results/decode.json")
     ap.add_argument("--seed", type=int, default=7000)
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A: a second stock engine in place of the cross-layer one",
+    )
     ap.add_argument("--replot", metavar="JSON", help="print the table of a run")
     ap.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     ap.add_argument("--child-model", help=argparse.SUPPRESS)
@@ -334,7 +347,9 @@ def main() -> int:
             continue
         rel = json.loads(pathlib.Path(out).read_text())
         rel["python"] = python
-        rel["how"] = {k: how(rel["release"], k) for k in LAYOUTS}
+        rel["how"] = {
+            k: how(rel["release"], as_built(k, args.control)) for k in LAYOUTS
+        }
         releases.append(rel)
         problems += [f"vLLM {rel['release']}: {p}" for p in rel["problems"]]
     shutil.rmtree(tmp, ignore_errors=True)
@@ -353,6 +368,7 @@ def main() -> int:
         "loadavg_end": _loadavg(),
         "wall_s": time.perf_counter() - started,
         "quick": args.quick,
+        "control": args.control,
         "releases": [
             {k: r[k] for k in ("release", "python", "engines", "how", "wall_s")}
             for r in releases

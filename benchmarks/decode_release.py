@@ -229,13 +229,14 @@ def run_release(args, model: str, cells: list[tuple[int, int]], out: str) -> Non
     result: dict = {"release": release, "rounds": [], "problems": []}
     try:
         for layout in LAYOUTS:
-            spec = {**base, **engine_spec(release, layout)}
+            # --control (A/A): the second engine is a stock one too.
+            spec = {**base, **engine_spec(release, as_built(layout, args.control))}
             engines[layout] = Engine(layout, spec, workdir, server=DecodeServer)
         for e in engines.values():
             e.wait_ready()
         info = {k: e.call("describe") for k, e in engines.items()}
         result["engines"] = info
-        result["problems"] += check_layouts(info)
+        result["problems"] += check_layouts(info, args.control)
         if any(i["block_size"] != block for i in info.values()):
             raise SystemExit(f"block size is not {block}: {info}")
         print(
@@ -293,12 +294,16 @@ def run_release(args, model: str, cells: list[tuple[int, int]], out: str) -> Non
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def check_layouts(info: dict) -> list[str]:
+def as_built(layout: str, control: bool) -> str:
+    return "stock" if control else layout
+
+
+def check_layouts(info: dict, control: bool = False) -> list[str]:
     """stock: block stride spans one layer; cross-layer: all of them, one buffer."""
     out = []
     for layout, i in info.items():
         spans = i["layers_per_block_stride"]
-        if layout == "cross-layer":
+        if as_built(layout, control) == "cross-layer":
             ok = spans == [i["num_layers"]] and i["buffers"] == 1
         else:
             ok = len(spans) == 1 and spans[0] <= 1
