@@ -242,9 +242,11 @@ def print_table(rows: list[dict], meta: dict) -> None:
 
 def how(release: str, layout: str) -> str:
     spec = engine_spec(release, layout)
-    if spec["connector"]:
-        extra = spec["connector"]["kv_connector_extra_config"]
-        return f"{spec['connector']['kv_connector']} {extra}"
+    if spec["probe_prefer"] is not None:
+        return (
+            "CrossLayerProbeConnector, prefer_cross_layer_blocks "
+            f"{str(spec['probe_prefer']).lower()}"
+        )
     return " ".join(f"{k}={v}" for k, v in spec["env"].items()) or "default layout"
 
 
@@ -252,7 +254,9 @@ def ensure_model(args, python: str) -> str:
     if args.model:
         return args.model
     if args.quick:
-        code = "from vllm_overlay.demo import tiny_model_path; print(tiny_model_path())"
+        code = (
+            "from vllm_overlay.testing import tiny_model_path; print(tiny_model_path())"
+        )
     else:
         code = (
             "from vllm_overlay.models.build_bench_llama import Shape, ensure; "

@@ -16,26 +16,24 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # vllm_overlay of this checkout
 from bench_prefix_reuse import Engine, prompt_ids  # noqa: E402
 
 LAYOUTS = ("stock", "cross-layer")
 
 
 def engine_spec(release: str, layout: str) -> dict:
-    """How each release gets each layout (bench_decode.py's docstring)."""
+    """How each release gets each layout (bench_decode.py's docstring):
+    0.11.2, the probe connector asking for cross-layer blocks or not; 0.32,
+    VLLM_KV_CACHE_LAYOUT for cross-layer, vLLM's default otherwise."""
+    from vllm_overlay.testing.v0_32 import CROSS_LAYER
+
     cross = layout == "cross-layer"
     if release.startswith("0.11."):
-        return {
-            "connector": {
-                "kv_connector": "CrossLayerProbeConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"prefer_cross_layer_blocks": cross},
-            },
-            "env": {},
-        }
+        return {"probe_prefer": cross, "env": {}}
     return {
-        "connector": None,
-        "env": {"VLLM_KV_CACHE_LAYOUT": "BLHNC"} if cross else {},
+        "probe_prefer": None,
+        "env": {"VLLM_KV_CACHE_LAYOUT": CROSS_LAYER} if cross else {},
     }
 
 
@@ -93,15 +91,19 @@ def kv_layout(worker) -> dict:
 
 class DecodeServer:
     def __init__(self, spec: dict) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in-process
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc
+        from vllm_overlay.testing import in_process_engine
+
+        in_process_engine()  # worker in this process; collective_rpc allowed
         os.environ.update(spec["env"])
         import torch
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
         torch.set_num_threads(spec["threads"])
-        kv = KVTransferConfig(**spec["connector"]) if spec["connector"] else None
+        kv = None
+        if spec["probe_prefer"] is not None:
+            from vllm_overlay.testing.v0_11_2 import probe_connector
+
+            kv = probe_connector(prefer=spec["probe_prefer"])
         started = time.perf_counter()
         self.llm = LLM(
             model=spec["model"],
@@ -190,12 +192,11 @@ def run_release(args, model: str, cells: list[tuple[int, int]], out: str) -> Non
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    sys.path.insert(0, str(ROOT))
-    from vllm_overlay.demo import _quiet, cpu_defaults
+    from vllm_overlay.testing import cpu_defaults, quiet
 
     cpu_defaults()
     workdir = tempfile.mkdtemp(prefix="bench-decode-")
-    with _quiet(os.path.join(workdir, "import.log")):
+    with quiet(os.path.join(workdir, "import.log")):
         import vllm
         from vllm import LLM  # noqa: F401  (imported once, before the forks)
     release = vllm.__version__
