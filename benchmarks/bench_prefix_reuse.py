@@ -262,37 +262,42 @@ class EngineServer:
             **info,
         }
 
-    def serve(self, rfile, wfile) -> None:
-        for line in rfile:
-            cmd = json.loads(line)
-            op = cmd["op"]
-            if op == "quit":
-                return
-            try:
-                if op == "run":
-                    result = self.run(cmd)
-                elif op == "flush":
-                    result = self.flush()
-                elif op == "describe":
-                    result = self.describe()
-                else:
-                    raise ValueError(f"unknown op {op!r}")
-                reply = {"ok": True, "result": result}
-            except Exception as exc:  # noqa: BLE001 - reported to the driver
-                import traceback
+    def handle(self, op: str, cmd: dict):
+        if op == "run":
+            return self.run(cmd)
+        if op == "flush":
+            return self.flush()
+        if op == "describe":
+            return self.describe()
+        raise ValueError(f"unknown op {op!r}")
 
-                traceback.print_exc()
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            wfile.write(json.dumps(reply) + "\n")
-            wfile.flush()
+
+def serve(server, rfile, wfile) -> None:
+    """Answer the driver's JSON-line commands with ``server.handle(op, cmd)``
+    until "quit" (or the pipe closes); an error is a reply, not an exit."""
+    for line in rfile:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "quit":
+            return
+        try:
+            reply = {"ok": True, "result": server.handle(op, cmd)}
+        except Exception as exc:  # noqa: BLE001 - reported to the driver
+            import traceback
+
+            traceback.print_exc()
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        wfile.write(json.dumps(reply) + "\n")
+        wfile.flush()
 
 
 # -- driver side ---------------------------------------------------------------
 class Engine:
     """An engine in a forked child of this process, driven over two pipes
-    (JSON lines); its stdout/stderr go to a log file."""
+    (JSON lines); its stdout/stderr go to a log file.  ``server`` builds
+    the child's side from ``spec`` (an object with ``handle(op, cmd)``)."""
 
-    def __init__(self, name: str, spec: dict, workdir: str) -> None:
+    def __init__(self, name: str, spec: dict, workdir: str, server=None) -> None:
         self.name = name
         self.log_path = os.path.join(workdir, f"{name}.log")
         cmd_r, cmd_w = os.pipe()
@@ -312,10 +317,10 @@ class Engine:
                     os.fdopen(cmd_r) as rfile,
                     os.fdopen(res_w, "w") as wfile,
                 ):
-                    server = EngineServer(spec)
+                    child = (server or EngineServer)(spec)
                     wfile.write(json.dumps({"ok": True, "result": "ready"}) + "\n")
                     wfile.flush()
-                    server.serve(rfile, wfile)
+                    serve(child, rfile, wfile)
                 code = 0
             except BaseException:  # noqa: BLE001
                 import traceback
