@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import sys
 import time
 
-# This folder's run_offload (first on the path: the script's folder); it
-# puts tests/e2e (result_out) on the path too.
-from run_offload import CPU_BYTES, worker_info
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))  # result_out
 
-from vllm_overlay.testing import cpu_defaults, tiny_model_path
+from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
+from vllm_overlay.testing.v0_32 import connector_info as worker_info  # noqa: E402
+from vllm_overlay.testing.v0_32 import offload_connector  # noqa: E402
 
 DEFAULTS = {
     "gpu_blocks": 12,  # 11 usable (block 0 is vLLM's null block)
@@ -267,27 +268,17 @@ def main(config: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc fn
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
-    kv = None
-    if cfg.get("connector"):
-        kv = KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES},
-        )
     llm = LLM(
-        model=tiny_model_path(),
-        dtype="float32",
-        max_model_len=cfg["max_model_len"],
-        num_gpu_blocks_override=cfg["gpu_blocks"],
-        max_num_seqs=cfg["max_num_seqs"],
-        max_num_batched_tokens=cfg["max_num_batched_tokens"],
-        enable_chunked_prefill=cfg["chunked"],
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=True,
-        kv_transfer_config=kv,
+        **tiny_engine_args(
+            max_model_len=cfg["max_model_len"],
+            num_gpu_blocks_override=cfg["gpu_blocks"],
+            max_num_seqs=cfg["max_num_seqs"],
+            max_num_batched_tokens=cfg["max_num_batched_tokens"],
+            enable_chunked_prefill=cfg["chunked"],
+            disable_log_stats=True,
+            kv_transfer_config=offload_connector() if cfg.get("connector") else None,
+        )
     )
     core = llm.llm_engine.engine_core.engine_core
     block = core.vllm_config.cache_config.block_size
