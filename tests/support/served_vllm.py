@@ -34,12 +34,19 @@ def serve_flags(config: dict) -> list[str]:
     return flags
 
 
-def serve_command(config: dict, port: int, extra: list[str] = ()) -> list[str]:
-    vllm = BIN / "vllm"
+def serve_command(
+    config: dict, port: int, extra: list[str] = (), bin_dir: pathlib.Path = BIN
+) -> list[str]:
+    """``bin_dir``: the harness whose vLLM serves (default: this one's)."""
+    vllm = bin_dir / "vllm"
     cli = (
         [str(vllm)]
         if vllm.exists()
-        else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+        else [
+            sys.executable if bin_dir == BIN else str(bin_dir / "python"),
+            "-m",
+            "vllm.entrypoints.cli.main",
+        ]
     )
     return [
         *cli,
@@ -91,13 +98,14 @@ def served_model(
     extra: list[str] = (),
     env: dict | None = None,
     startup_s: float = 240.0,
+    bin_dir: pathlib.Path = BIN,
 ):
     """``vllm serve`` on a free loopback port until /health answers; yields
     the port."""
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            serve_command(config, port, list(extra)),
+            serve_command(config, port, list(extra), bin_dir),
             env=env or harness_env(),
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,324 @@
+"""Serving with a router that cannot keep a conversation on the node holding
+its KV: two real ``vllm serve`` nodes (vLLM 0.32) behind a small proxy, a
+real client replaying a synthetic multi-turn chat workload over HTTP.
+
+Configurations, measured in one run, their order rotated each repeat:
+
+* (a) round-robin, no connector;
+* (b) sticky routing, no connector: the ideal router (each conversation
+      always on one node, so its prefix is always in that node's device
+      prefix cache);
+* (c) round-robin + the pool tier: upstream's ``TieringOffloadingSpec``
+      with a small CPU primary tier (only the staging area the spec goes
+      through) and the overlay's ``SharedPoolTier`` on a redis-server;
+* (d) round-robin + host + pool tiers (a large primary tier);
+* (e) ``--with-0112``: (d) on vLLM 0.11.2, ``MultiConnector`` of the
+      overlay's host connector and its pool connector.
+
+(a) and (b) share two nodes; (c), (d) and (e) have two each; all are up
+for the whole run.  Each repeat replays a new workload (its own seed; the
+same one for every configuration of the repeat), so no configuration
+finds another one's or an earlier repeat's prefixes; before each replay
+the nodes' device prefix caches are reset, each node gets the system
+prompts once (steady state: shared system prompts are hot on every node),
+and at the start of each repeat the pool is emptied.
+
+Measured: TTFT per request at the client (request sent to first streamed
+token, through the proxy), p50/p90 per replay; requests per second (the
+replay's requests over its wall time); cache hit tokens by source from each
+node's ``/metrics`` (vLLM's own counters, before/after the replay:
+serving/metrics.py).  Cells: median [min, max] over repeats; ratios are
+paired within a repeat.  ``ideal`` = the hit tokens of a router that always
+finds a turn's previous prompt (its full blocks) where the turn runs.
+
+The model (built locally once, no hub: build_bench_llama) is sized so that
+prefill dominates on CPU, like a real model on a GPU: 16 layers, hidden
+1024, GQA with 4 KV heads: 32 KiB of KV per token (float32); a 2000-token
+prefill takes seconds on one core, reading its KV back takes milliseconds.
+One OpenMP thread per node (``--threads``).
+
+    python benchmarks/bench_serving_pool.py                 # 3 repeats
+    python benchmarks/bench_serving_pool.py --with-0112     # + (e)
+    python benchmarks/bench_serving_pool.py --smoke         # tiny, ~1-2 min
+
+Writes ``benchmarks/results/serving_pool.{json,png}`` (``--smoke``: a
+temporary folder unless ``--json``/``--png``).  Exit status 1 when a
+request failed or a configuration's hits did not come from where they
+should (b: the device only, all of the ideal; a: no host or pool; c: pool
+hits on a node serving a turn whose previous turn ran on the other node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
+sys.path.insert(0, str(ROOT))
+import checks  # noqa: E402
+import metrics  # noqa: E402
+import nodes  # noqa: E402
+import report  # noqa: E402
+from client import replay  # noqa: E402
+from control import Proxy, pool_backend, reset_prefix_cache, warm  # noqa: E402
+from workload import WorkloadSpec, generate  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+BLOCK = 128  # the CPU backend's block size on both releases
+# key: (label, node kind, routing)
+CONFIGS = {
+    "a": ("round-robin, no connector", "plain", "rr"),
+    "b": ("sticky (ideal router), no connector", "plain", "sticky"),
+    "c": ("round-robin + pool tier (host tier as staging only)", "pool", "rr"),
+    "d": ("round-robin + host + pool tiers", "hostpool", "rr"),
+    "e": ("(d) on vLLM 0.11.2: MultiConnector(host, pool)", "hostpool_0112", "rr"),
+}
+SERVE_SHAPE = dict(
+    layers=16, hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816
+)
+FULL = dict(
+    workload=WorkloadSpec(),
+    repeats=3,
+    concurrency=4,
+    think_s=1.0,
+    max_tokens=16,
+    device_blocks=192,  # 24576 tokens = 768 MiB per node
+    staging_mib=256,  # (c): the primary tier as staging only
+    host_mib=1024,  # (d), (e)
+    max_model_len=4096,
+)
+SMOKE = dict(
+    workload=WorkloadSpec(
+        conversations=2,
+        system_prompts=1,
+        system_tokens=256,
+        turns=(3, 3),
+        user_tokens=(100, 200),
+        answer_tokens=(100, 200),
+    ),
+    repeats=1,
+    concurrency=1,
+    think_s=2.0,  # the stores reach the pool before the next turn
+    max_tokens=4,
+    device_blocks=64,
+    staging_mib=16,
+    host_mib=32,
+    max_model_len=2048,
+)
+
+
+def model_path(args) -> str:
+    if args.model:
+        return args.model
+    if args.smoke:
+        from vllm_overlay.testing import tiny_model_path
+
+        return tiny_model_path()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SERVE_SHAPE.items()]
+    built = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay.models.build_bench_llama", *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if built.returncode:
+        raise SystemExit(f"building the model failed:\n{built.stderr[-3000:]}")
+    return built.stdout.splitlines()[0]
+
+
+def start_nodes(stack, args, p: dict, model: str, kinds: set, pool: dict, logs):
+    served = {
+        "model_name": model,
+        "model_args": {
+            "dtype": "float32",
+            "max_model_len": p["max_model_len"],
+            "enforce_eager": True,
+            "seed": 0,
+            "num_gpu_blocks_override": p["device_blocks"],
+        },
+    }
+    sizes = {
+        "pool": p["staging_mib"] * 2**20,
+        "hostpool": p["host_mib"] * 2**20,
+        "hostpool_0112": p["host_mib"] * 2**20,
+    }
+    specs = []
+    for kind in sorted(kinds):
+        kv = nodes.kv_transfer_config(kind, sizes, {**pool, "namespace": kind})
+        bin_dir = (
+            pathlib.Path(args.venv_0112) / "bin" if kind.endswith("0112") else None
+        )
+        for i in range(2):
+            specs.append(
+                nodes.node_spec(
+                    f"{kind}-{i}",
+                    served,
+                    kv,
+                    threads=args.threads,
+                    **({"bin_dir": bin_dir} if bin_dir else {}),
+                )
+            )
+    return stack.enter_context(nodes.node_group(specs, logs, args.startup_s))
+
+
+def run_config(key: str, repeat: int, work: dict, ports, proxy, p: dict) -> dict:
+    label, _, routing = CONFIGS[key]
+    for port in ports:
+        reset_prefix_cache(port)
+        warm(port, work["systems"])
+    before = [metrics.scrape(port) for port in ports]
+    sent_before = proxy.sent()
+    result = asyncio.run(
+        replay(
+            proxy.url,
+            work,
+            nodes.SERVED_NAME,
+            concurrency=p["concurrency"],
+            think_s=p["think_s"],
+            max_tokens=p["max_tokens"],
+            timeout_s=600.0,
+        )
+    )
+    routed = [a - b for a, b in zip(proxy.sent(), sent_before)]
+    after = metrics.wait_finished(ports, before, routed)
+    per_node = [metrics.hits(metrics.delta(b, a)) for b, a in zip(before, after)]
+    return {
+        "config": key,
+        "label": label,
+        "routing": routing,
+        "repeat": repeat,
+        "seed": work["seed"],
+        "wall_s": result["wall_s"],
+        "requests": result["requests"],
+        "routed": routed,
+        "nodes": per_node,
+        "hits": metrics.add(per_node),
+        "ideal_hits": checks.ideal_hits(work, BLOCK),
+    }
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model, a few requests")
+    ap.add_argument("--configs", help="comma-separated keys (default a,b,c,d)")
+    ap.add_argument("--with-0112", action="store_true", help="add (e)")
+    ap.add_argument("--venv-0112", default=str(ROOT / ".venv"))
+    ap.add_argument(
+        "--secondary",
+        default="pool",
+        choices=["pool", "fs"],
+        help="fs: upstream's fs tier in the pool's place (plumbing check)",
+    )
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--conversations", type=int, help="workload size")
+    ap.add_argument("--concurrency", type=int, help="users sending at once")
+    ap.add_argument(
+        "--think-s", type=float, help="pause between a turn's answer and the next turn"
+    )
+    ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per node")
+    ap.add_argument("--model", help="a model folder (default: built/cached)")
+    ap.add_argument("--startup-s", type=float, default=600.0)
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    p = dict(SMOKE if args.smoke else FULL)
+    for key in ("repeats", "concurrency", "think_s"):
+        if getattr(args, key) is not None:
+            p[key] = getattr(args, key)
+    if args.conversations:
+        p["workload"] = dataclasses.replace(
+            p["workload"], conversations=args.conversations
+        )
+    default = "a,b,c" if args.smoke else "a,b,c,d"
+    keys = (args.configs or default).split(",") + (["e"] if args.with_0112 else [])
+    unknown = [k for k in keys if k not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}: {sorted(CONFIGS)}")
+    out = pathlib.Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    json_path = pathlib.Path(
+        args.json or (out if args.smoke else RESULTS) / "serving_pool.json"
+    )
+    png_path = pathlib.Path(args.png or json_path.with_suffix(".png"))
+    model = model_path(args)
+    vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]
+    p["workload"] = dataclasses.replace(p["workload"], vocab=vocab)
+    kinds = {CONFIGS[k][1] for k in keys}
+    print(
+        f"serving benchmark: configs {keys}, model {model}, logs in {out}", flush=True
+    )
+
+    import contextlib
+
+    started, load = time.perf_counter(), os.getloadavg()
+    runs = []
+    with contextlib.ExitStack() as stack:
+        pool = pool_backend(stack, args.secondary, kinds, out)
+        ports = start_nodes(stack, args, p, model, kinds, pool, out)
+        proxies = {
+            k: stack.enter_context(
+                Proxy(
+                    [ports[f"{CONFIGS[k][1]}-{i}"] for i in range(2)],
+                    CONFIGS[k][2],
+                    out / f"proxy-{k}.log",
+                )
+            )
+            for k in keys
+        }
+        print(f"nodes up after {time.perf_counter() - started:.0f} s", flush=True)
+        for repeat in range(p["repeats"]):
+            work = generate(p["workload"], args.seed + repeat)
+            pool["flush"]()
+            for key in keys[repeat % len(keys) :] + keys[: repeat % len(keys)]:
+                node_ports = [ports[f"{CONFIGS[key][1]}-{i}"] for i in range(2)]
+                run = run_config(key, repeat, work, node_ports, proxies[key], p)
+                runs.append(run)
+                print(checks.progress(run), flush=True)
+    rows = report.summarize(runs, keys)
+    problems = checks.problems(runs, BLOCK)
+    print()
+    print(report.table(rows))
+    for line in report.goals(rows) + [f"PROBLEM: {x}" for x in problems]:
+        print(line)
+    meta = {
+        "model": model,
+        "params": {
+            k: (dataclasses.asdict(v) if k == "workload" else v) for k, v in p.items()
+        },
+        "secondary": args.secondary,
+        "threads": args.threads,
+        "seconds": time.perf_counter() - started,
+        "loadavg_start_end": [list(load), list(os.getloadavg())],
+        "command": " ".join(sys.argv),
+    }
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(
+        json.dumps(
+            {"meta": meta, "rows": rows, "problems": problems, "runs": runs}, indent=1
+        )
+    )
+    print(f"JSON: {json_path}")
+    print(
+        f"PNG: {png_path}"
+        if report.plot(rows, runs, png_path)
+        else "PNG: skipped (no matplotlib)"
+    )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""What each replay must show: no failed request, and hits from where the
+configuration says they come from."""
+
+from __future__ import annotations
+
+import report
+
+# The column a configuration's connector reports its hits in (None: none).
+CONNECTOR_COLUMN = {"a": None, "b": None, "c": "pool", "d": "pool", "e": "external"}
+
+
+def ideal_hits(work: dict, block: int) -> int:
+    """Hit tokens if every turn found its previous prompt's full blocks
+    (the first turn: its system prompt's) where it runs; vLLM serves at
+    most the prompt's full blocks short of its last token."""
+    previous = {}
+    total = 0
+    for turn in work["turns"]:
+        key = (turn.conversation, turn.index - 1)
+        prefix = len(previous[key]) if turn.index else len(work["systems"][turn.system])
+        total += min(prefix // block, (len(turn.prompt) - 1) // block) * block
+        previous[(turn.conversation, turn.index)] = turn.prompt
+    return total
+
+
+def moved_turns(run: dict, block: int) -> dict[int, int]:
+    """Per node, the turns it served whose previous turn ran on the other
+    node (the proxy's ``X-Routed-To``) and whose previous prompt had full
+    blocks past the system prompt (blocks only the other node computed)."""
+    requests = {(r["conversation"], r["turn"]): r for r in run["requests"]}
+    moved: dict[int, int] = {}
+    for (conv, turn), r in requests.items():
+        before = requests.get((conv, turn - 1))
+        if not turn or before is None:
+            continue
+        if None in (r.get("node"), before.get("node")):
+            continue
+        own = before["prompt_tokens"] // block > r["system_tokens"] // block
+        if own and r["node"] != before["node"]:
+            moved[int(r["node"])] = moved.get(int(r["node"]), 0) + 1
+    return moved
+
+
+def problems(runs: list[dict], block: int) -> list[str]:
+    out = []
+    for run in runs:
+        name = f"({run['config']}) repeat {run['repeat']}"
+        errors = [r["error"] for r in run["requests"] if "error" in r]
+        if errors:
+            out.append(f"{name}: {len(errors)} request(s) failed: {errors[0]}")
+        hits, column = run["hits"], CONNECTOR_COLUMN[run["config"]]
+        foreign = {c for c in ("host", "pool", "external") if hits.get(c)}
+        if column is None and foreign:
+            out.append(f"{name}: no connector, yet hits from {sorted(foreign)}")
+        if run["config"] == "b" and hits["device"] != run["ideal_hits"]:
+            out.append(
+                f"{name}: sticky routing hit {hits['device']} device tokens, "
+                f"not the ideal {run['ideal_hits']} (device cache too small?)"
+            )
+        if column is not None:
+            for node, n in moved_turns(run, block).items():
+                if not run["nodes"][node].get(column):
+                    out.append(
+                        f"{name}: node {node} served {n} turn(s) whose previous "
+                        f"turn ran on the other node, with no {column} hits"
+                    )
+    return out
+
+
+def progress(run: dict) -> str:
+    n = report.run_numbers(run)
+    hits = run["hits"]
+    cols = "/".join(str(hits.get(c, 0)) for c in report.HIT_COLUMNS)
+    return (
+        f"repeat {run['repeat']} ({run['config']}): {len(run['requests'])} requests "
+        f"in {run['wall_s']:.1f} s, routed {run['routed']}; TTFT p50 "
+        f"{n['ttft_p50_ms']:.0f} ms, p90 {n['ttft_p90_ms']:.0f} ms; hit tokens "
+        f"device/host/pool/external {cols} (ideal {run['ideal_hits']}), "
+        f"prefilled {hits.get('computed', '-')} of {hits.get('prompt_tokens')}"
+    )

@@ -1,0 +1,117 @@
+"""Cache hit tokens by source, from a node's own Prometheus metrics
+(``GET /metrics`` of ``vllm serve``).
+
+vLLM 0.32 counts prompt tokens served from a cache by the tier that
+supplied them: ``vllm:prompt_tokens_cached_by_source{source=...}``
+(``vllm/v1/metrics/loggers.py``; the sources are ``CacheHitSource`` in
+``vllm/v1/metrics/cache_hit_source.py``: ``device`` for the engine's own
+prefix cache, ``host`` for the offloading connector's CPU primary tier,
+and a secondary tier's own source, ``external_unspecified`` unless the
+tier names one).  Here ``pool`` is every source but ``device`` and
+``host``: the benchmark's only secondary tier is the pool.
+
+vLLM 0.11.2 has no per-source counter: ``vllm:prefix_cache_hits`` (the
+device prefix cache) and ``vllm:external_prefix_cache_hits`` (whatever the
+KV connector supplied: host and pool together, reported as ``external``).
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
+DEVICE_0112 = "vllm:prefix_cache_hits"
+EXTERNAL_0112 = "vllm:external_prefix_cache_hits"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+BY_ORIGIN = "vllm:prompt_tokens_by_source"  # 0.32: local_compute, ...
+FINISHED = "vllm:request_success"
+COLUMNS = ("device", "host", "pool", "external")
+
+
+def scrape(port: int, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
+    """Counter totals by name; per name, the samples summed by ``source``
+    label (``""`` when the sample has none)."""
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/metrics", timeout=timeout_s
+    ) as reply:
+        text = reply.read().decode()
+    return parse(text)
+
+
+def parse(text: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            name = sample.name.removesuffix("_total")
+            source = sample.labels.get("source", "")
+            by = out.setdefault(name, {})
+            by[source] = by.get(source, 0.0) + sample.value
+    return out
+
+
+def delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    return {
+        name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in by.items()}
+        for name, by in after.items()
+    }
+
+
+def total(counters: dict, name: str) -> float:
+    return sum(counters.get(name, {}).values())
+
+
+def hits(counters: dict) -> dict[str, int]:
+    """Hit tokens by column (device / host / pool / external) and the raw
+    per-source counts, from one node's counters (or a delta)."""
+    out = dict.fromkeys(COLUMNS, 0)
+    if BY_SOURCE in counters:  # 0.32
+        raw = {k: int(v) for k, v in counters[BY_SOURCE].items() if v}
+        for source, n in raw.items():
+            out[source if source in ("device", "host") else "pool"] += n
+        out["raw"] = raw
+    else:  # 0.11.2
+        out["device"] = int(total(counters, DEVICE_0112))
+        out["external"] = int(total(counters, EXTERNAL_0112))
+    out["prompt_tokens"] = int(total(counters, PROMPT_TOKENS))
+    if BY_ORIGIN in counters:  # 0.32: prompt tokens prefilled here
+        out["computed"] = int(counters[BY_ORIGIN].get("local_compute", 0))
+    return out
+
+
+def finished(counters: dict) -> int:
+    return int(total(counters, FINISHED))
+
+
+def add(per_node: list[dict]) -> dict:
+    """The nodes' hit counts summed (the raw sources too)."""
+    out: dict = {}
+    for node in per_node:
+        for key, value in node.items():
+            if key == "raw":
+                raw = out.setdefault("raw", {})
+                for source, n in value.items():
+                    raw[source] = raw.get(source, 0) + n
+            else:
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def wait_finished(
+    ports: list[int], before: list[dict], routed: list[int], deadline_s: float = 60.0
+) -> list[dict]:
+    """The nodes' counters once each counts the requests routed to it as
+    finished (the counters are updated as the engine reports them)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        after = [scrape(port) for port in ports]
+        done = [finished(a) - finished(b) for a, b in zip(after, before)]
+        if all(d >= n for d, n in zip(done, routed)):
+            return after
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"finished requests {done}, routed {routed}")
+        time.sleep(0.5)
