@@ -258,6 +258,8 @@ def main() -> int:
     vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]
     p["workload"] = dataclasses.replace(p["workload"], vocab=vocab)
     kinds = {CONFIGS[k][1] for k in keys}
+    if "e" in keys and not (pathlib.Path(args.venv_0112) / "bin" / "vllm").exists():
+        raise SystemExit(f"(e) needs vLLM 0.11.2: no {args.venv_0112}/bin/vllm")
     print(
         f"serving benchmark: configs {keys}, model {model}, logs in {out}", flush=True
     )

@@ -33,6 +33,7 @@ HOP_BY_HOP = {
     "trailer",
     "upgrade",
 }
+CLIENT = web.AppKey("client", ClientSession)
 SESSION_HEADER = "X-Session-Id"
 ROUTED_HEADER = "X-Routed-To"  # the node (index) that served the request
 
@@ -72,10 +73,10 @@ def build_app(backends: list[str], mode: str, timeout_s: float) -> web.Applicati
     app = web.Application(client_max_size=64 * 2**20)
 
     async def start(app):
-        app["client"] = ClientSession(timeout=ClientTimeout(total=timeout_s))
+        app[CLIENT] = ClientSession(timeout=ClientTimeout(total=timeout_s))
 
     async def close(app):
-        await app["client"].close()
+        await app[CLIENT].close()
 
     async def stats(request):
         return web.json_response(
@@ -90,7 +91,7 @@ def build_app(backends: list[str], mode: str, timeout_s: float) -> web.Applicati
         headers = {
             k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP
         }
-        async with app["client"].request(
+        async with app[CLIENT].request(
             request.method, url, data=body, headers=headers
         ) as upstream:
             reply = web.StreamResponse(status=upstream.status)

@@ -1,0 +1,185 @@
+"""The serving benchmark's parts that need no vLLM: the workload generator,
+the proxy (a real aiohttp server in front of two real HTTP backends that
+stream), the client's TTFT, the metrics reader and the ideal hit count."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
+aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("prometheus_client")
+
+from aiohttp import web  # noqa: E402
+from checks import ideal_hits  # noqa: E402
+from client import replay  # noqa: E402
+from metrics import add, hits, parse  # noqa: E402
+from proxy import build_app  # noqa: E402
+from workload import WorkloadSpec, generate  # noqa: E402
+
+SPEC = WorkloadSpec(
+    conversations=4,
+    system_prompts=2,
+    system_tokens=256,
+    turns=(2, 4),
+    user_tokens=(10, 30),
+    answer_tokens=(10, 30),
+)
+
+
+def test_each_turn_extends_the_previous_one_and_the_seed_fixes_it():
+    work = generate(SPEC, 7)
+    assert generate(SPEC, 7)["turns"] == work["turns"]
+    assert generate(SPEC, 8)["turns"] != work["turns"]
+    last = {}
+    for turn in work["turns"]:  # the sending order keeps each conversation's
+        system = work["systems"][turn.system]
+        assert turn.prompt[: len(system)] == system
+        if turn.index:
+            prev = last[turn.conversation]
+            assert prev.index == turn.index - 1
+            assert turn.prompt[: len(prev.prompt)] == prev.prompt
+            assert len(turn.prompt) >= len(prev.prompt) + 20  # answer + user
+        else:
+            assert turn.conversation not in last
+        last[turn.conversation] = turn
+    convs = [t.conversation for t in work["turns"]]
+    assert convs != sorted(convs)  # interleaved, not one conversation after another
+    assert all(3 <= i < SPEC.vocab for t in work["turns"] for i in t.prompt)
+
+
+def test_ideal_hits_count_the_previous_prompts_full_blocks():
+    work = generate(SPEC, 7)
+    expected, prev = 0, {}
+    for t in work["turns"]:
+        prefix = prev[t.conversation] if t.index else 256
+        expected += min(prefix // 128, (len(t.prompt) - 1) // 128) * 128
+        prev[t.conversation] = len(t.prompt)
+    assert ideal_hits(work, 128) == expected > 0
+
+
+def backend(name: str):
+    """A stand-in node: streams three SSE events (the first after 50 ms)
+    naming itself, and answers the prompt's length in the usage."""
+
+    async def completions(request):
+        body = await request.json()
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        await asyncio.sleep(0.05)
+        for i in range(3):
+            event = {"choices": [{"text": f"{name}{i}"}]}
+            await reply.write(f"data: {json.dumps(event)}\n\n".encode())
+        usage = {
+            "choices": [],
+            "usage": {
+                "completion_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": len(body["prompt"])},
+            },
+        }
+        await reply.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        await reply.write_eof()
+        return reply
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def serve(app) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def replay_through(mode: str) -> dict:
+    runners, urls = [], []
+    for name in ("n0", "n1"):
+        runner, url = await serve(backend(name))
+        runners.append(runner)
+        urls.append(url)
+    proxy, proxy_url = await serve(build_app(urls, mode, 30.0))
+    try:
+        return await replay(
+            proxy_url,
+            generate(SPEC, 3),
+            "m",
+            concurrency=3,
+            think_s=0.0,
+            max_tokens=3,
+            timeout_s=30.0,
+        )
+    finally:
+        for r in [proxy, *runners]:
+            await r.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["rr", "sticky"])
+def test_the_proxy_routes_and_streams(mode):
+    result = asyncio.run(replay_through(mode))
+    records = result["requests"]
+    assert all("error" not in r for r in records), records
+    assert all(
+        r["streamed_events"] == 3 and r["completion_tokens"] == 3 for r in records
+    )
+    assert all(r["cached_tokens"] == r["prompt_tokens"] for r in records)
+    assert all(0.05 <= r["ttft_s"] <= r["latency_s"] for r in records)
+    nodes = [r["node"] for r in records]
+    assert sorted(set(nodes)) == ["0", "1"]
+    by_conv = {}
+    for r in records:
+        by_conv.setdefault(r["conversation"], set()).add(r["node"])
+    if mode == "sticky":  # one node per conversation
+        assert all(len(n) == 1 for n in by_conv.values()), by_conv
+    else:  # round-robin splits the requests evenly and moves conversations
+        assert abs(nodes.count("0") - nodes.count("1")) <= 1
+        assert any(len(n) == 2 for n in by_conv.values()), by_conv
+
+
+EXPOSITION_032 = """\
+# TYPE vllm:prompt_tokens_cached_by_source_total counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",source="device"} 512.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",source="host"} 256.0
+vllm:prompt_tokens_cached_by_source_total{source="external_unspecified"} 128.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",source="p2p"} 0.0
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0"} 2000.0
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 1104.0
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="length"} 3.0
+"""
+EXPOSITION_0112 = """\
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0"} 384.0
+# TYPE vllm:external_prefix_cache_hits_total counter
+vllm:external_prefix_cache_hits_total{engine="0"} 640.0
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0"} 1500.0
+"""
+
+
+def test_hits_by_source_from_each_release_s_metrics():
+    new = hits(parse(EXPOSITION_032))
+    assert new["device"] == 512 and new["host"] == 256 and new["pool"] == 128
+    assert new["external"] == 0 and new["prompt_tokens"] == 2000
+    assert new["computed"] == 1104
+    assert new["raw"] == {"device": 512, "host": 256, "external_unspecified": 128}
+    old = hits(parse(EXPOSITION_0112))
+    assert (old["device"], old["host"], old["pool"], old["external"]) == (
+        384,
+        0,
+        0,
+        640,
+    )
+    both = add([new, new])
+    assert both["pool"] == 256 and both["raw"]["host"] == 512
