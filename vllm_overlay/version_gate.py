@@ -80,6 +80,7 @@ OFFLOADING_SPECS = {
 FEATURE_RELEASES: dict[str, tuple[str, ...]] = {
     "connectors": ("0.11.2",),  # CONNECTORS, OFFLOADING_SPECS
     "pp_prop_kv_cache": ("0.11.2", "0.32.x"),  # --enable-pp-prop-kv-cache
+    "pool_tier": ("0.32.x",),  # integration/v0_32/pool_tier (SharedPoolTier)
 }
 
 

@@ -38,7 +38,7 @@ def block_keys(connector, outputs) -> dict:
     """Each prompt's chain hashes and keys, from the connector's own chain."""
     import types
 
-    from vllm_overlay.connectors.shared_pool.common import pool_key
+    from vllm_overlay.core.pool.keys import pool_key
 
     side = connector.connector_scheduler
     name_key = connector.config.name_key

@@ -125,7 +125,7 @@ def test_a_request_finished_while_its_load_is_under_way_keeps_its_blocks(overlay
     from support import sched_scenarios as sc
     from support.redis_server import redis_server
 
-    from vllm_overlay.connectors.shared_pool.common import pool_key
+    from vllm_overlay.core.pool.keys import pool_key
 
     with redis_server() as server:
         scheduler, request = sc.build(

@@ -103,7 +103,7 @@ def _serve(scheduler, requests, seconds: float):
 
 def _store_chain(url: str, request, blocks: int, cluster: bool = False):
     """Put the first ``blocks`` keys of ``request``'s chain in the pool."""
-    from vllm_overlay.connectors.shared_pool.common import pool_key
+    from vllm_overlay.core.pool.keys import pool_key
 
     scheduler = _scheduler(None)
     chain = scheduler._chain(request)

@@ -22,10 +22,10 @@ from support.redis_server import redis_server  # noqa: E402
 # Imported first: importing vLLM configures its loggers, and a handler a
 # test adds to the overlay's logger must come after that.
 import vllm_overlay.connectors.shared_pool.worker as worker_module  # noqa: E402
-from vllm_overlay.connectors.shared_pool.common import pool_key  # noqa: E402
 from vllm_overlay.core.ops.block_copy import BlockTable  # noqa: E402
 from vllm_overlay.core.pool import codec  # noqa: E402
 from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
+from vllm_overlay.core.pool.keys import pool_key  # noqa: E402
 from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
 
 NS = b"n" * 16

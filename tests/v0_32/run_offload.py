@@ -13,6 +13,9 @@ KV cache layout.
 ``CPUOffloadingSpec``: the CPU primary tier plus upstream's ``fs`` secondary
 tier in DIR (patch OF32-02); the runner then waits (with a deadline) until
 DIR holds ``"fs_files"`` block files and reports how many it holds.
+``"pool_url": URL``: the same with the overlay's ``SharedPoolTier`` (the
+Redis/Valkey pool) as the secondary tier; the runner waits until the pool
+holds ``"pool_values"`` values and reports how many it holds.
 ``"passes"``: which passes to run (default all three, in order).
 
     python run_offload.py '{"connector": true}'   # env: VLLM_KV_CACHE_LAYOUT
@@ -35,7 +38,7 @@ from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
 from vllm_overlay.testing.v0_32 import CPU_BYTES  # noqa: E402
 from vllm_overlay.testing.v0_32 import connector_info as worker_info  # noqa: E402
 
-FS_DEADLINE_S = 120.0  # the fs tier's writes land well within this
+TIER_DEADLINE_S = 120.0  # a secondary tier's writes land well within this
 
 
 def extra_config(config: dict) -> dict:
@@ -51,11 +54,29 @@ def extra_config(config: dict) -> dict:
                 "n_write_threads": 2,
             }
         ]
+    if config.get("pool_url"):
+        extra["spec_name"] = "TieringOffloadingSpec"
+        extra["secondary_tiers"] = [
+            {
+                "type": "SharedPoolTier",
+                "module_path": "vllm_overlay.integration.v0_32.pool_tier",
+                "url": config["pool_url"],
+                **config.get("pool_options", {}),
+            }
+        ]
     return extra
 
 
-def fs_files(root: str) -> int:
-    return sum(1 for _ in pathlib.Path(root).rglob("*.bin"))
+def tier_values(config: dict) -> tuple[str, int] | None:
+    """(the result's name, how many values the secondary tier holds)."""
+    if config.get("fs_dir"):
+        return "fs_files", sum(1 for _ in pathlib.Path(config["fs_dir"]).rglob("*.bin"))
+    if config.get("pool_url"):
+        import redis
+
+        with redis.Redis.from_url(config["pool_url"], socket_timeout=5) as client:
+            return "pool_values", client.dbsize()
+    return None
 
 
 def main(config: dict) -> dict:
@@ -104,14 +125,15 @@ def main(config: dict) -> dict:
             single += run([text])
         out["passes"].append(single)
     out["after"] = llm.collective_rpc(worker_info)[0]
-    if config.get("fs_dir"):
-        deadline = time.monotonic() + FS_DEADLINE_S
-        while fs_files(config["fs_dir"]) < config.get("fs_files", 0):
-            if time.monotonic() > deadline:
+    if tier_values(config) is not None:
+        deadline = time.monotonic() + TIER_DEADLINE_S
+        while True:
+            name, values = tier_values(config)
+            if values >= config.get(name, 0) or time.monotonic() > deadline:
                 break
             reset()  # steps the engine: finished stores cascade to the tier
             time.sleep(0.2)
-        out["fs_files"] = fs_files(config["fs_dir"])
+        out[name] = values
     return out
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from vllm_overlay.connectors.shared_pool.common import (
     PoolMetadata,
-    pool_key,
     take_refused,
 )
+from vllm_overlay.core.pool.keys import pool_key
 
 CHAIN_ROOT = b"vLLM shared KV pool chain root v1"
 # A value refused by its check (checksum, MAC, layout, namespace) is not

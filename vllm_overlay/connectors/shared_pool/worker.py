@@ -33,13 +33,12 @@ import torch
 
 from vllm_overlay.connectors.shared_pool.common import (
     PoolMetadata,
-    pool_key,
     table_layout_tag,
 )
 from vllm_overlay.core.ops.block_copy import gather, scatter
 from vllm_overlay.core.pool import codec
+from vllm_overlay.core.pool.keys import pool_key
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
-from vllm_overlay.core.pool.resp import Oversized
 from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
 
 logger = logging.getLogger("vllm.overlay")
@@ -362,36 +361,15 @@ class SharedPoolWorker:
         self, block_id: int, key: bytes, row: int, value
     ) -> codec.BadValue | None:
         """Runs on the load thread: the refusal of one value (None: good)."""
-        try:
-            if value is None:
-                raise codec.BadValue("missing")
-            if isinstance(value, Oversized):  # longer than ours: never read
-                raise codec.BadValue(
-                    f"value of {len(value)} B, this node's values are "
-                    f"{self._table.block_bytes + codec.HEADER_BYTES} B"
-                )
-            if isinstance(value, (bytes, bytearray)):  # not our length
-                codec.decode(
-                    self.ns,
-                    key,
-                    value,
-                    self._table.block_bytes,
-                    self._layout,
-                    self._mac_key,
-                )
-                raise codec.BadValue(f"value of {len(value)} B")  # (decode raised)
-            codec.check(
-                self.ns,
-                key,
-                self._load_ring.heads[row],
-                self._payload_row(block_id, row),
-                self._table.block_bytes,
-                self._layout,
-                self._mac_key,
-            )
-        except codec.BadValue as exc:
-            return exc
-        return None
+        return codec.refusal(
+            self.ns,
+            key,
+            value,
+            lambda: (self._load_ring.heads[row], self._payload_row(block_id, row)),
+            self._table.block_bytes,
+            self._layout,
+            self._mac_key,
+        )
 
     def _check_landed(self, block_ids, keys, start, checked, i: int, value) -> None:
         """Runs on the load thread as soon as value ``i`` is read: checked

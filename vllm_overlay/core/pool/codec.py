@@ -30,7 +30,7 @@ next honest store, a SET NX, can write the block again).  Corrupt values,
 values of another namespace or key, and wrong lengths: always.  Without a
 secret, a signed value or one of another layout is left in the pool (another
 node's value under the same key, not corruption).  With a secret, key names
-derive from it (``shared_pool.common.pool_key``): only nodes holding it
+derive from it (``core.pool.keys.pool_key``): only nodes holding it
 write under this node's keys, so a value there that does not carry this
 secret's MAC (unsigned, wrongly signed) is forged or corrupt, and is deleted
 whatever else is wrong with it; one that does (another layout, or an XXH3
@@ -274,3 +274,37 @@ def decode(
         mac_key,
     )
     return payload
+
+
+def refusal(
+    namespace_tag: bytes,
+    key: bytes,
+    value,
+    place,
+    expected_length: int,
+    layout: bytes = _NO_LAYOUT,
+    mac_key: bytes | None = None,
+) -> BadValue | None:
+    """Why a loaded value may not be used (None: it may).  ``value`` is what
+    ``KVPool.submit_load`` handed back: None (missing), an ``Oversized``
+    (longer than ours, never read), bytes (not our length: read whole) or an
+    ``InPlace`` (read into the header and payload buffers ``place()``
+    returns, checked there)."""
+    from vllm_overlay.core.pool.resp import Oversized
+
+    try:
+        if value is None:
+            raise BadValue("missing")
+        if isinstance(value, Oversized):
+            raise BadValue(
+                f"value of {len(value)} B, this node's values are "
+                f"{expected_length + HEADER_BYTES} B"
+            )
+        if isinstance(value, (bytes, bytearray)):
+            decode(namespace_tag, key, value, expected_length, layout, mac_key)
+            raise BadValue(f"value of {len(value)} B")  # (decode raised)
+        head, payload = place()
+        check(namespace_tag, key, head, payload, expected_length, layout, mac_key)
+    except BadValue as exc:
+        return exc
+    return None

@@ -234,7 +234,7 @@ class PoolConfig:
     secret_env: str | None = None  # environment variable holding it
     parsed: ParsedURL = dataclasses.field(init=False, repr=False, compare=False)
     # Derived from the secret (None without one): the values' MAC key, and
-    # the key that derives key names (see shared_pool.common.pool_key).
+    # the key that derives key names (see core.pool.keys.pool_key).
     mac_key: bytes | None = dataclasses.field(init=False, repr=False, compare=False)
     name_key: bytes | None = dataclasses.field(init=False, repr=False, compare=False)
 

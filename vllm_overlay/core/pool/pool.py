@@ -62,6 +62,15 @@ _STOP = object()
 _LOADS_DONE = threading.Event()
 MAX_QUEUED_LOOKUPS = 4096  # more waiting: answered "miss" at once
 MAX_QUEUED_DELETES = 65536  # keys; more: dropped (a later load refuses again)
+# Failure kinds counted in a PoolStats field of their own.
+_KIND_FIELDS = {
+    Failure.UNREACHABLE: "unreachable",
+    Failure.SLOW: "slow",
+    Failure.FULL: "full",
+    Failure.READ_ONLY: "read_only",
+    Failure.DENIED: "denied",
+    Failure.BAD_REQUEST: "bad_requests",
+}
 GRACE_S = 1.0  # past a job's deadline before the watchdog steps in
 
 __all__ = ["InPlace", "KVPool", "LookupTicket", "PoolStats", "make_client"]
@@ -88,6 +97,15 @@ class PoolStats:
     errors: int = 0
     internal_errors: int = 0  # bugs: that job failed, nothing paused
     stuck: int = 0  # times a pool thread was found stuck
+    # failures by kind (errors.Failure; bad_keys, internal_errors and stuck
+    # above are the other kinds), and pauses: reads or writes closed
+    unreachable: int = 0
+    slow: int = 0
+    full: int = 0
+    read_only: int = 0
+    denied: int = 0
+    bad_requests: int = 0
+    pauses: int = 0
     io_seconds_in: float = 0.0
     io_seconds_out: float = 0.0
 
@@ -270,10 +288,16 @@ class KVPool:
             self.stats.bad_keys += kind is Failure.BAD_KEY
             self.stats.internal_errors += kind is Failure.INTERNAL
             self.stats.stuck += kind is Failure.STUCK
+            field = _KIND_FIELDS.get(kind)
+            if field is not None:
+                setattr(self.stats, field, getattr(self.stats, field) + 1)
         if kind is Failure.INTERNAL:
             self._internal(what, exc)
             return kind
         closed, pause = self._gates.close(kind, direction, what == "connect")
+        if closed:
+            with self._lock:
+                self.stats.pauses += 1
         if kind.whole_pool:
             self._monitor.wake.set()
         paused = (

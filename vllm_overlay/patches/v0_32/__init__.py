@@ -9,6 +9,7 @@ from vllm_overlay.patches.v0_32 import (
     patch_cpu_attn,
     patch_cpu_offload_spec,
     patch_engine_core,
+    patch_offloading_connector,
     patch_tiering_spec,
 )
 
@@ -19,6 +20,8 @@ MODULES = (
     patch_cpu_offload_spec,
     # ... and its TieringOffloadingSpec (CPU primary tier + secondary tiers)
     patch_tiering_spec,
+    # ... whose config names the model config its KV comes from (pool tier)
+    patch_offloading_connector,
     # Pipeline-parallel KV budget split by layers (--enable-pp-prop-kv-cache)
     patch_arg_utils,
     patch_engine_core,

@@ -1,0 +1,62 @@
+"""What two engines must share for one to load the other's blocks from the
+pool: the namespace factors of a 0.32 offloading config.
+
+A value is one chunk of the primary (host) tier: the bytes of
+``blocks_per_chunk`` blocks of every KV group, every worker's in rank
+order, as upstream's host tier lays them out.  That layout does not depend
+on the device's KV cache layout (per-layer or cross-layer blocks fill the
+same chunk: tests/v0_32/test_pool_tier_cpu.py loads across them), so the
+device layout is not a factor; everything that shapes those bytes is."""
+
+from __future__ import annotations
+
+from vllm_overlay.patches.v0_32.patch_offloading_connector import (
+    KV_IDENTITY,
+    PATCH_ID,
+)
+
+FORMAT = "vllm-shared-kv-pool-tier/1"
+
+
+def host_layout(config) -> str:
+    kind = "canonical" if config.canonical_layout else "direct"
+    return kind + ("/replicated" if config.replicated_layout else "")
+
+
+def tier_factors(config, chunk_bytes: int, user_namespace: str) -> list[str]:
+    """``config``: the spec's ``OffloadingConfig``; ``chunk_bytes``: one
+    primary chunk (the tier's ``block_size_bytes``)."""
+    identity = config.extra_config.get(KV_IDENTITY)
+    if not identity:
+        raise ValueError(
+            "SharedPoolTier: the offloading config does not name the model "
+            f"config its KV comes from (extra_config[{KV_IDENTITY!r}], set by "
+            f"the overlay's patch {PATCH_ID}); without it engines with other "
+            "weights, revisions or RoPE overrides would share blocks. Is "
+            "vllm-overlay's plugin loaded (VLLM_OVERLAY_DISABLE unset, "
+            f"{PATCH_ID} not skipped)?"
+        )
+    parallel = config.parallel
+    groups = ";".join(
+        f"{g.group_id}:{g.tokens_per_block}t:{len(g.layer_names)}l"
+        for g in config.groups
+    )
+    return [
+        FORMAT,
+        *identity,
+        f"kv-dtype={config.model.dtype}",
+        f"groups={groups}",
+        f"worker-bytes-per-block={config.worker_kv_bytes_per_block}",
+        f"tokens-per-hash={config.cache.tokens_per_hash}",
+        f"blocks-per-chunk={config.cache.blocks_per_chunk}",
+        f"parallel=tp{parallel.tp_size}/pp{parallel.pp_size}/pcp{parallel.pcp_size}"
+        f"/dcp{parallel.dcp_size}/world{parallel.world_size}",
+        f"host-layout={host_layout(config)}",
+        f"chunk-bytes={chunk_bytes}",
+        f"namespace={user_namespace}",
+    ]
+
+
+def layout_description(config, chunk_bytes: int) -> str:
+    """The value header's layout fingerprint (checked on every load)."""
+    return f"tier-chunk|{host_layout(config)}|chunk-bytes={chunk_bytes}"

@@ -1,0 +1,285 @@
+"""SharedPoolTier: the shared Redis/Valkey pool as a secondary tier of
+vLLM 0.32's ``TieringOffloadingSpec``.
+
+Upstream's tiering manager keeps a primary tier in host memory and moves
+chunks between it and its secondary tiers: a chunk the primary tier stores
+is cascaded to each tier (``submit_store``), and a chunk the primary tier
+lacks but a tier holds is promoted into it (``submit_load``).  This tier
+does both against the overlay's ``KVPool`` (``core/pool``), so a node
+serves its own recent prefixes from host memory and other nodes' prefixes
+from the pool.  Every method runs on the scheduler's thread and returns at
+once: lookups are tickets (``lookups.py``), loads and stores are queued to
+the pool's threads, which read each value straight into its primary chunk
+(header checked in place) and send each chunk from there (header encoded,
+checksummed and signed on the store thread).  Upstream pins the chunks of
+a job until ``get_finished_jobs`` reports it, so nothing is copied.
+
+The guarantees of the 0.11.2 connector hold: keys namespaced by everything
+that shapes the bytes (``identity.py``), a checksum and optional MAC per
+value (a refused value is deleted and its block recomputed), liveness
+(slow, hung, full and unreachable servers classified, paused and resumed by
+the pool; a lookup not answered in time is a miss, a load past its deadline
+fails and vLLM recomputes), cluster, TLS/auth and the in-flight bounds.
+
+Config (an entry of ``secondary_tiers``): ``type: SharedPoolTier``,
+``module_path: vllm_overlay.integration.v0_32.pool_tier`` and the pool's
+options (``url``, ``namespace``, ``cluster``, timeouts, limits, ``ttl_s``,
+TLS and secret options: ``core/pool/config.py``)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import time
+from typing import Any, ClassVar
+
+import numpy
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_overlay.core.pool import codec
+from vllm_overlay.core.pool.config import PoolConfig
+from vllm_overlay.core.pool.errors import require_dependencies
+from vllm_overlay.core.pool.keys import namespace_tag, pool_key
+from vllm_overlay.core.pool.pool import GRACE_S, KVPool
+from vllm_overlay.core.pool.ratelog import RateLimitedLog
+from vllm_overlay.integration.v0_32.pool_tier import identity, stats
+from vllm_overlay.integration.v0_32.pool_tier.lookups import PoolLookups
+
+logger = logging.getLogger("vllm.overlay")
+
+_VERDICT = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
+
+
+class SharedPoolTier(SecondaryTierManager):
+    # Remote memory: reported as its own cache-hit source ("external"),
+    # never as this node's host memory.
+    medium: ClassVar[Medium | None] = None
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict:
+        return stats.metric_definitions()
+
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector=None,
+        **options,
+    ) -> None:
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        require_dependencies()  # one clear error now, not a dead thread later
+        self.locality = Locality.REMOTE
+        self.config = PoolConfig.from_dict(options)
+        spec_config = offloading_spec.config
+        chunk = self.block_size_bytes
+        self.ns = namespace_tag(
+            identity.tier_factors(spec_config, chunk, self.config.namespace)
+        )
+        self._layout = codec.layout_tag(identity.layout_description(spec_config, chunk))
+        self._rows = numpy.asarray(primary_kv_view).view(numpy.uint8)
+        self._value_bytes = chunk + codec.HEADER_BYTES
+        self.pool = KVPool(self.config, io_threads=True, lookups=True)
+        self.pool.check_value_size(self._value_bytes)
+        self._lookups = PoolLookups(self.pool, self._name)
+        self._done: collections.deque = collections.deque()  # store results
+        self._stores_open = 0
+        self._loads: dict[int, tuple[list, list, float]] = {}
+        self._refusal_log = RateLimitedLog(logger, 10.0)
+        self.pool.probe()  # an unreachable pool is reported now (background)
+        logger.info(
+            "vllm-overlay KV pool tier: %s%s, namespace %s (%s), values %s, one "
+            "value per host chunk of %d B (%d chunks in the primary tier)",
+            self.config.redacted_url,
+            " (cluster)" if self.config.cluster else "",
+            self.ns.hex()[:12],
+            self.config.namespace,
+            "signed (shared secret)" if self.config.mac_key else "unsigned",
+            chunk,
+            self._rows.shape[0],
+        )
+
+    def _name(self, key: bytes) -> bytes:
+        # One value holds the chunk of every worker: no rank in the name.
+        return pool_key(self.ns, key, 0, self.config.name_key)
+
+    # -- lookups --------------------------------------------------------------
+    def lookup(self, key, req_context) -> LookupResult:
+        return _VERDICT[self._lookups.lookup(key, req_context.req_id)]
+
+    def on_new_request(self, req_context) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context) -> None:
+        self._lookups.forget(req_context.req_id)
+
+    def on_schedule_end(self, context) -> None:
+        self._lookups.flush()
+
+    def has_pending_work(self) -> bool:
+        return self._lookups.pending() or bool(self._loads) or self._stores_open > 0
+
+    # -- stores: primary chunk -> pool ---------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        rows = self._rows
+        items = [
+            (self._name(key), rows[chunk].data)
+            for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids)
+        ]
+        self._stores_open += 1
+        self.pool.submit_store(
+            items,
+            encode=self._encode,
+            on_done=functools.partial(
+                self._stored, job_metadata.job_id, time.monotonic()
+            ),
+        )
+
+    def _encode(self, name: bytes, payload):
+        """The store thread: header (checksum, MAC) and payload, two buffers."""
+        head = codec.encode_header(
+            self.ns, name, payload, self._layout, self.config.mac_key
+        )
+        return head, payload
+
+    def _stored(self, job_id: int, start: float) -> None:
+        """The store thread (or submit_store): the chunks are free again."""
+        self._done.append(
+            JobResult(job_id, success=True, transfer_time=time.monotonic() - start)
+        )
+
+    # -- loads: pool -> primary chunk ----------------------------------------
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        names = [self._name(key) for key in keys]
+        heads = numpy.empty((len(keys), codec.HEADER_BYTES), dtype=numpy.uint8)
+        checked: list = [None] * len(keys)  # filled as values land
+        self._loads[job_metadata.job_id] = (keys, names, time.monotonic())
+        self.pool.submit_load(
+            job_metadata.job_id,
+            names,
+            value_bytes=self._value_bytes,
+            prepare=functools.partial(self._verdicts, names, chunks, heads, checked),
+            into=functools.partial(self._into, chunks, heads),
+            landed=functools.partial(self._landed, names, chunks, heads, checked),
+        )
+
+    def _into(self, chunks, heads, i: int, length: int):
+        """The load thread: value ``i`` goes to its header row and chunk."""
+        if length != self._value_bytes:
+            return None  # read as bytes, refused by its check
+        return [heads[i].data, self._rows[chunks[i]].data]
+
+    def _refusal(self, name, chunk, head, value):
+        return codec.refusal(
+            self.ns,
+            name,
+            value,
+            lambda: (head, self._rows[chunk]),
+            self._value_bytes - codec.HEADER_BYTES,
+            self._layout,
+            self.config.mac_key,
+        )
+
+    def _landed(self, names, chunks, heads, checked, i: int, value) -> None:
+        """The load thread, as soon as value ``i`` is read: checked in place
+        while the server sends the next ones."""
+        checked[i] = (self._refusal(names[i], chunks[i], heads[i], value),)
+
+    def _verdicts(self, names, chunks, heads, checked, values) -> list:
+        """The load thread, once it is done writing: (refusal or None,
+        whether a value came) per key."""
+        out = []
+        for i, value in enumerate(values):
+            done = checked[i]
+            if done is None or value is None:
+                done = (self._refusal(names[i], chunks[i], heads[i], value),)
+            out.append((done[0], value is not None))
+        return out
+
+    def _loaded(self, job_id: int, verdicts) -> JobResult:
+        keys, names, start = self._loads.pop(job_id)
+        if verdicts is None:  # preparing failed (logged): recompute all
+            verdicts = [(codec.BadValue("internal error"), False)] * len(keys)
+        good, failed, delete, signatures = [], [], [], 0
+        for key, name, (exc, came) in zip(keys, names, verdicts):
+            if exc is None:
+                good.append(key)
+                continue
+            failed.append(key)
+            if came:  # refused by its check: integrity
+                signatures += exc.signature
+                if exc.delete:
+                    delete.append(name)
+                self._refusal_log.log(
+                    logging.WARNING,
+                    "refused",
+                    "vllm-overlay KV pool tier: refused value %s (%s)%s; its "
+                    "block is recomputed",
+                    name[:48].decode(errors="replace"),
+                    exc,
+                    ", deleted" if exc.delete else "",
+                )
+        if delete:
+            self.pool.submit_delete(delete)
+        self._lookups.mark_missing(failed)
+        self.pool.record_load(len(good), len(failed), signatures)
+        return JobResult(
+            job_id,
+            success=not failed,
+            successful_keys=good if failed else None,
+            transfer_time=time.monotonic() - start,
+            transfer_bytes=len(good) * (self._value_bytes - codec.HEADER_BYTES),
+        )
+
+    # -- results --------------------------------------------------------------
+    def get_finished_jobs(self) -> list[JobResult]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+            self._stores_open -= 1
+        for job_id, verdicts in self.pool.poll_loads():
+            out.append(self._loaded(job_id, verdicts))
+        return out
+
+    def drain_jobs(self) -> None:
+        """Every submitted job done (its result queued), within the pool's
+        deadlines: a load past ``io_timeout_s`` is failed by the watchdog
+        and stops writing; a store waits for its socket's timeout."""
+        limit = self.config.io_timeout_s + self.config.timeout_s + 2 * GRACE_S
+        if not self.pool.drain(limit):
+            logger.error(
+                "vllm-overlay KV pool tier: jobs still running after %.1f s "
+                "(pool %s, state %s)",
+                limit,
+                self.config.redacted_url,
+                self.pool.state(),
+            )
+
+    def shutdown(self) -> None:
+        self.pool.close()
+        # Our view of the primary tier's memory goes before upstream
+        # releases that memory (an exported view would keep its mmap open).
+        self._rows = None
+
+    def get_stats(self):
+        return stats.connector_stats(self.pool.take_stats(), self.pool.state())

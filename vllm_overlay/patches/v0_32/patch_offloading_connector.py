@@ -1,0 +1,70 @@
+"""vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py:
+the offloading config names the model config whose KV it holds (0.32).
+
+``OffloadingConnector.__init__`` builds the ``OffloadingConfig`` its spec
+and tiers see with ``build_offloading_config`` (imported into this module).
+That config names the model by its path and the KV dtype only: a tier
+shared by several engines (a Redis/Valkey pool) cannot tell whether
+another engine's blocks were computed with the same weights, revision,
+quantization, RoPE overrides or prefix hash; they all change the bytes
+under one block hash.  With this patch the config's
+``extra_config["kv_identity"]`` lists vLLM's own hashes of those configs
+(``kv_identity_factors``), so a shared tier namespaces its keys by them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm_overlay.core.patching import REGISTRY, Patch
+
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+PATCH_ID = "PT32-01"
+KV_IDENTITY = "kv_identity"
+
+
+def kv_identity_factors(vllm_config) -> list[str]:
+    """What decides a block's KV bytes beyond the offloading config's own
+    fields (groups, block sizes, parallel sizes, KV dtype): vLLM's model
+    config hash (model, revision, quantization, dtype, the HF config as
+    loaded), its cache config hash, the prefix hash algorithm and the LoRA
+    config."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    lora = getattr(vllm_config, "lora_config", None)
+    return [
+        f"model-hash={model.compute_hash()}",
+        f"model={model.model}@{model.revision}",
+        f"quantization={model.quantization}",
+        f"cache-hash={cache.compute_hash()}",
+        f"hash-algo={cache.prefix_caching_hash_algo}",
+        f"lora={lora.compute_hash() if lora is not None else None}",
+    ]
+
+
+def build_offloading_config(vllm_config, kv_cache_config):
+    config = REGISTRY.original(PATCH_ID)(vllm_config, kv_cache_config)
+    extra = dict(config.extra_config)
+    extra[KV_IDENTITY] = kv_identity_factors(vllm_config)
+    return dataclasses.replace(config, extra_config=extra)
+
+
+PATCHES = [
+    Patch(
+        id=PATCH_ID,
+        module=MODULE,
+        target="build_offloading_config",
+        new=build_offloading_config,
+        feature="shared KV pool tier",
+        why="OffloadingConfig names the model by path and KV dtype only; a "
+        "secondary tier shared by several engines must not serve blocks "
+        "computed under another revision, quantization, RoPE override, "
+        "prefix hash or LoRA config. The patch adds vLLM's own hashes of "
+        "those configs to the config's extra_config (kv_identity), and the "
+        "pool tier refuses to start without them.",
+        upstream="none yet (a field of OffloadingModelConfig with "
+        "model_config.compute_hash() would do; vllm-project/vllm#16159 "
+        "namespaced its keys the same way)",
+        removal="Drop once OffloadingConfig carries the model config's hash; "
+        "the pool tier then reads it from there.",
+    ),
+]
