@@ -267,7 +267,7 @@ def main() -> int:
     import contextlib
 
     started, load = time.perf_counter(), os.getloadavg()
-    runs = []
+    runs, failed = [], {}
     with contextlib.ExitStack() as stack:
         pool = pool_backend(stack, args.secondary, kinds, out)
         ports = start_nodes(stack, args, p, model, kinds, pool, out)
@@ -286,12 +286,22 @@ def main() -> int:
             work = generate(p["workload"], args.seed + repeat)
             pool["flush"]()
             for key in keys[repeat % len(keys) :] + keys[: repeat % len(keys)]:
+                if key in failed:
+                    continue
                 node_ports = [ports[f"{CONFIGS[key][1]}-{i}"] for i in range(2)]
-                run = run_config(key, repeat, work, node_ports, proxies[key], p)
+                try:
+                    run = run_config(key, repeat, work, node_ports, proxies[key], p)
+                except Exception as e:  # the others go on; reported below
+                    failed[key] = (
+                        f"({key}) failed in repeat {repeat}: {type(e).__name__}: "
+                        f"{e} (node logs: {out}/{CONFIGS[key][1]}-*.log)"
+                    )
+                    print(failed[key], flush=True)
+                    continue
                 runs.append(run)
                 print(checks.progress(run), flush=True)
     rows = report.summarize(runs, keys)
-    problems = checks.problems(runs, BLOCK)
+    problems = list(failed.values()) + checks.problems(runs, BLOCK)
     print()
     print(report.table(rows))
     for line in report.goals(rows) + [f"PROBLEM: {x}" for x in problems]:
