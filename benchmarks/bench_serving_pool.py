@@ -207,6 +207,20 @@ def run_config(key: str, repeat: int, work: dict, ports, proxy, p: dict) -> dict
     }
 
 
+def pool_options(items: list[str]) -> dict:
+    """KEY=VALUE pairs; a VALUE that parses as JSON is taken as such."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--pool-option {item!r}: KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, a few requests")
@@ -219,6 +233,13 @@ def parse_args():
         choices=["pool", "fs"],
         help="fs: upstream's fs tier in the pool's place (plumbing check)",
     )
+    ap.add_argument(
+        "--pool-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more pool keys (core/pool PoolConfig), e.g. lookup_wait_s=1.0",
+    )
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--conversations", type=int, help="workload size")
@@ -226,6 +247,9 @@ def parse_args():
     ap.add_argument(
         "--think-s", type=float, help="pause between a turn's answer and the next turn"
     )
+    ap.add_argument("--device-blocks", type=int, help="device KV blocks per node")
+    ap.add_argument("--staging-mib", type=int, help="(c)'s primary tier")
+    ap.add_argument("--host-mib", type=int, help="(d), (e): host memory per node")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per node")
     ap.add_argument("--model", help="a model folder (default: built/cached)")
     ap.add_argument("--startup-s", type=float, default=600.0)
@@ -237,7 +261,14 @@ def parse_args():
 def main() -> int:
     args = parse_args()
     p = dict(SMOKE if args.smoke else FULL)
-    for key in ("repeats", "concurrency", "think_s"):
+    for key in (
+        "repeats",
+        "concurrency",
+        "think_s",
+        "device_blocks",
+        "staging_mib",
+        "host_mib",
+    ):
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if args.conversations:
@@ -270,6 +301,7 @@ def main() -> int:
     runs, failed = [], {}
     with contextlib.ExitStack() as stack:
         pool = pool_backend(stack, args.secondary, kinds, out)
+        pool["options"] = pool_options(args.pool_option)
         ports = start_nodes(stack, args, p, model, kinds, pool, out)
         proxies = {
             k: stack.enter_context(
@@ -312,6 +344,7 @@ def main() -> int:
             k: (dataclasses.asdict(v) if k == "workload" else v) for k, v in p.items()
         },
         "secondary": args.secondary,
+        "pool_options": pool_options(args.pool_option),
         "threads": args.threads,
         "seconds": time.perf_counter() - started,
         "loadavg_start_end": [list(load), list(os.getloadavg())],

@@ -63,8 +63,19 @@ def problems(runs: list[dict], block: int) -> list[str]:
                     out.append(
                         f"{name}: node {node} served {n} turn(s) whose previous "
                         f"turn ran on the other node, with no {column} hits"
+                        + pool_trouble(run["nodes"][node])
                     )
     return out
+
+
+TROUBLE = ("pauses", "lookup_timeouts", "slow", "unreachable", "errors")
+
+
+def pool_trouble(counts: dict) -> str:
+    """The pool tier's failures and pauses in these counts, if any."""
+    tier = counts.get("pool_tier") or {}
+    seen = {k: tier[k] for k in TROUBLE if tier.get(k)}
+    return f" (pool tier: {seen})" if seen else ""
 
 
 def progress(run: dict) -> str:
@@ -77,4 +88,5 @@ def progress(run: dict) -> str:
         f"{n['ttft_p50_ms']:.0f} ms, p90 {n['ttft_p90_ms']:.0f} ms; hit tokens "
         f"device/host/pool/external {cols} (ideal {run['ideal_hits']}), "
         f"prefilled {hits.get('computed', '-')} of {hits.get('prompt_tokens')}"
+        + pool_trouble(hits)
     )

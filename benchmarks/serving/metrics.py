@@ -29,6 +29,7 @@ PROMPT_TOKENS = "vllm:prompt_tokens"
 BY_ORIGIN = "vllm:prompt_tokens_by_source"  # 0.32: local_compute, ...
 FINISHED = "vllm:request_success"
 COLUMNS = ("device", "host", "pool", "external")
+POOL_TIER = "vllm:kv_offload_pool_"  # the overlay's pool tier (0.32)
 
 
 def scrape(port: int, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
@@ -80,6 +81,13 @@ def hits(counters: dict) -> dict[str, int]:
     out["prompt_tokens"] = int(total(counters, PROMPT_TOKENS))
     if BY_ORIGIN in counters:  # 0.32: prompt tokens prefilled here
         out["computed"] = int(counters[BY_ORIGIN].get("local_compute", 0))
+    pool = {
+        name.removeprefix(POOL_TIER): int(total(counters, name))
+        for name in counters
+        if name.startswith(POOL_TIER)
+    }
+    if pool:  # its lookups, loads, stores, failures by kind, pauses
+        out["pool_tier"] = pool
     return out
 
 
@@ -88,14 +96,14 @@ def finished(counters: dict) -> int:
 
 
 def add(per_node: list[dict]) -> dict:
-    """The nodes' hit counts summed (the raw sources too)."""
+    """The nodes' counts summed (per-source and pool-tier counts too)."""
     out: dict = {}
     for node in per_node:
         for key, value in node.items():
-            if key == "raw":
-                raw = out.setdefault("raw", {})
-                for source, n in value.items():
-                    raw[source] = raw.get(source, 0) + n
+            if isinstance(value, dict):
+                into = out.setdefault(key, {})
+                for k, n in value.items():
+                    into[k] = into.get(k, 0) + n
             else:
                 out[key] = out.get(key, 0) + value
     return out

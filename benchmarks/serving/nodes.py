@@ -49,7 +49,12 @@ def secondary_tier(pool: dict) -> dict:
     (pool) or folder (fs), so no configuration sees another's blocks."""
     secondary = pool["secondary"]
     if secondary == "pool":
-        return {**POOL_TIER, "url": pool["url"], "namespace": pool["namespace"]}
+        return {
+            **POOL_TIER,
+            "url": pool["url"],
+            "namespace": pool["namespace"],
+            **pool.get("options", {}),
+        }
     if secondary == "fs":
         return {"type": "fs", "root_dir": f"{pool['fs_dir']}/{pool['namespace']}"}
     raise ValueError(f"unknown secondary tier {secondary!r} (pool or fs)")
@@ -58,7 +63,7 @@ def secondary_tier(pool: dict) -> dict:
 def kv_transfer_config(kind: str, sizes: dict, pool: dict) -> dict | None:
     """The ``--kv-transfer-config`` of a node kind (None: no connector).
     ``sizes``: host bytes per kind; ``pool``: secondary, namespace, url,
-    url_0112, fs_dir."""
+    url_0112, fs_dir, options (more pool keys: core/pool's PoolConfig)."""
     if kind == "plain":
         return None
     if kind in ("pool", "hostpool"):
@@ -89,6 +94,7 @@ def kv_transfer_config(kind: str, sizes: dict, pool: dict) -> dict | None:
                         "kv_connector_extra_config": {
                             "url": pool["url_0112"],
                             "namespace": pool["namespace"],
+                            **pool.get("options", {}),
                         },
                     },
                 ]

@@ -55,6 +55,9 @@ def summarize(runs: list[dict], configs: list[str]) -> list[dict]:
             row[key] = spread([n[key] for n in nums])
         for col in (*HIT_COLUMNS, "prompt_tokens", "computed"):
             row[f"hits_{col}"] = statistics.median(r["hits"].get(col, 0) for r in rs)
+        row["pool_pauses"] = statistics.median(
+            (r["hits"].get("pool_tier") or {}).get("pauses", 0) for r in rs
+        )
         row["hits_ideal"] = statistics.median(r["ideal_hits"] for r in rs)
         row["hits_share_of_ideal"] = statistics.median(
             sum(r["hits"].get(c, 0) for c in HIT_COLUMNS) / max(r["ideal_hits"], 1)
@@ -94,6 +97,7 @@ HEADER = [
     "prefilled",
     "p50 / (b)",
     "p50 / (a)",
+    "pool pauses",
     "errors",
 ]
 
@@ -116,6 +120,7 @@ def table(rows: list[dict]) -> str:
             f"{row['hits_computed']:.0f}",
             _cell(row["p50_vs_b"], "{:.2f}"),
             _cell(row["p50_vs_a"], "{:.2f}"),
+            f"{row['pool_pauses']:.0f}",
             str(row["errors"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -17,9 +17,9 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from aiohttp import web  # noqa: E402
-from checks import ideal_hits  # noqa: E402
+from checks import ideal_hits, pool_trouble  # noqa: E402
 from client import replay  # noqa: E402
-from metrics import add, hits, parse  # noqa: E402
+from metrics import add, finished, hits, parse  # noqa: E402
 from proxy import build_app  # noqa: E402
 from workload import WorkloadSpec, generate  # noqa: E402
 
@@ -155,6 +155,10 @@ vllm:prompt_tokens_cached_by_source_total{engine="0",source="p2p"} 0.0
 vllm:prompt_tokens_total{engine="0"} 2000.0
 # TYPE vllm:prompt_tokens_by_source_total counter
 vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 1104.0
+# TYPE vllm:kv_offload_pool_pauses_total counter
+vllm:kv_offload_pool_pauses_total{engine="0"} 2.0
+# TYPE vllm:kv_offload_pool_loaded_blocks_total counter
+vllm:kv_offload_pool_loaded_blocks_total{engine="0"} 1.0
 # TYPE vllm:request_success_total counter
 vllm:request_success_total{engine="0",finished_reason="length"} 3.0
 """
@@ -174,6 +178,8 @@ def test_hits_by_source_from_each_release_s_metrics():
     assert new["external"] == 0 and new["prompt_tokens"] == 2000
     assert new["computed"] == 1104
     assert new["raw"] == {"device": 512, "host": 256, "external_unspecified": 128}
+    assert new["pool_tier"] == {"pauses": 2, "loaded_blocks": 1}
+    assert pool_trouble(new) == " (pool tier: {'pauses': 2})"
     old = hits(parse(EXPOSITION_0112))
     assert (old["device"], old["host"], old["pool"], old["external"]) == (
         384,
@@ -183,3 +189,4 @@ def test_hits_by_source_from_each_release_s_metrics():
     )
     both = add([new, new])
     assert both["pool"] == 256 and both["raw"]["host"] == 512
+    assert both["pool_tier"]["pauses"] == 4 and finished(parse(EXPOSITION_032)) == 3

@@ -43,6 +43,7 @@ COLUMNS = [
     "prefilled",
     "p50 / (b)",
     "p50 / (a)",
+    "pool pauses",
     "errors",
 ]
 
