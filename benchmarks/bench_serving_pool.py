@@ -1,6 +1,7 @@
 """Serving with a router that cannot keep a conversation on the node holding
-its KV: two real ``vllm serve`` nodes (vLLM 0.32) behind a small proxy, a
-real client replaying a synthetic multi-turn chat workload over HTTP.
+its KV: two real ``vllm serve`` nodes (vLLM 0.32; ``--nodes``) behind a
+small proxy (serving/proxy.py), a real client (serving/client.py) replaying
+a seeded synthetic multi-turn chat workload (serving/workload.py) over HTTP.
 
 Configurations, measured in one run, their order rotated each repeat:
 
@@ -15,13 +16,14 @@ Configurations, measured in one run, their order rotated each repeat:
 * (e) ``--with-0112``: (d) on vLLM 0.11.2, ``MultiConnector`` of the
       overlay's host connector and its pool connector.
 
-(a) and (b) share two nodes; (c), (d) and (e) have two each; all are up
-for the whole run.  Each repeat replays a new workload (its own seed; the
-same one for every configuration of the repeat), so no configuration
-finds another one's or an earlier repeat's prefixes; before each replay
-the nodes' device prefix caches are reset, each node gets the system
-prompts once (steady state: shared system prompts are hot on every node),
-and at the start of each repeat the pool is emptied.
+(a) and (b) share their nodes; (c), (d) and (e) have their own; all are
+up for the whole run, one proxy per configuration in front of its nodes.
+Each repeat replays a new workload (its own seed; the same one for every
+configuration of the repeat), so no configuration finds another one's or
+an earlier repeat's prefixes; before each replay the nodes' device prefix
+caches are reset, each node gets the system prompts once (steady state:
+shared system prompts are hot on every node), and at the start of each
+repeat the pool is emptied.
 
 Measured: TTFT per request at the client (request sent to first streamed
 token, through the proxy), p50/p90 per replay; requests per second (the
@@ -39,13 +41,20 @@ One OpenMP thread per node (``--threads``).
 
     python benchmarks/bench_serving_pool.py                 # 3 repeats
     python benchmarks/bench_serving_pool.py --with-0112     # + (e)
-    python benchmarks/bench_serving_pool.py --smoke         # tiny, ~1-2 min
+    python benchmarks/bench_serving_pool.py --smoke         # tiny: a, b, c
+
+``--smoke``: the tiny model, 2 conversations of 3 turns, one user at a
+time, one repeat (node start-up dominates: ~1 min on a quiet 2-core
+machine, ~3 min on a loaded one).  A loaded machine can make the pool
+miss its lookup deadline (``lookup_wait_s``, 250 ms): the tier then
+pauses and requests recompute (shown in the run's line and the ``pool
+pauses`` column); ``--pool-option lookup_wait_s=1.0`` widens it.
 
 Writes ``benchmarks/results/serving_pool.{json,png}`` (``--smoke``: a
 temporary folder unless ``--json``/``--png``).  Exit status 1 when a
 request failed or a configuration's hits did not come from where they
 should (b: the device only, all of the ideal; a: no host or pool; c: pool
-hits on a node serving a turn whose previous turn ran on the other node).
+hits on a node serving a turn whose previous turn ran on another node).
 """
 
 from __future__ import annotations
@@ -158,7 +167,7 @@ def start_nodes(stack, args, p: dict, model: str, kinds: set, pool: dict, logs):
         bin_dir = (
             pathlib.Path(args.venv_0112) / "bin" if kind.endswith("0112") else None
         )
-        for i in range(2):
+        for i in range(args.nodes):
             specs.append(
                 nodes.node_spec(
                     f"{kind}-{i}",
@@ -250,6 +259,7 @@ def parse_args():
     ap.add_argument("--device-blocks", type=int, help="device KV blocks per node")
     ap.add_argument("--staging-mib", type=int, help="(c)'s primary tier")
     ap.add_argument("--host-mib", type=int, help="(d), (e): host memory per node")
+    ap.add_argument("--nodes", type=int, default=2, help="nodes behind each proxy (2)")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per node")
     ap.add_argument("--model", help="a model folder (default: built/cached)")
     ap.add_argument("--startup-s", type=float, default=600.0)
@@ -306,7 +316,7 @@ def main() -> int:
         proxies = {
             k: stack.enter_context(
                 Proxy(
-                    [ports[f"{CONFIGS[k][1]}-{i}"] for i in range(2)],
+                    [ports[f"{CONFIGS[k][1]}-{i}"] for i in range(args.nodes)],
                     CONFIGS[k][2],
                     out / f"proxy-{k}.log",
                 )
@@ -320,7 +330,9 @@ def main() -> int:
             for key in keys[repeat % len(keys) :] + keys[: repeat % len(keys)]:
                 if key in failed:
                     continue
-                node_ports = [ports[f"{CONFIGS[key][1]}-{i}"] for i in range(2)]
+                node_ports = [
+                    ports[f"{CONFIGS[key][1]}-{i}"] for i in range(args.nodes)
+                ]
                 try:
                     run = run_config(key, repeat, work, node_ports, proxies[key], p)
                 except Exception as e:  # the others go on; reported below

@@ -26,7 +26,7 @@ def ideal_hits(work: dict, block: int) -> int:
 def moved_turns(run: dict, block: int) -> dict[int, int]:
     """Per node, the turns it served whose previous turn ran on the other
     node (the proxy's ``X-Routed-To``) and whose previous prompt had full
-    blocks past the system prompt (blocks only the other node computed)."""
+    blocks past the system prompt (blocks only another node computed)."""
     requests = {(r["conversation"], r["turn"]): r for r in run["requests"]}
     moved: dict[int, int] = {}
     for (conv, turn), r in requests.items():
@@ -62,7 +62,7 @@ def problems(runs: list[dict], block: int) -> list[str]:
                 if not run["nodes"][node].get(column):
                     out.append(
                         f"{name}: node {node} served {n} turn(s) whose previous "
-                        f"turn ran on the other node, with no {column} hits"
+                        f"turn ran on another node, with no {column} hits"
                         + pool_trouble(run["nodes"][node])
                     )
     return out
