@@ -48,7 +48,8 @@ time, one repeat (node start-up dominates: ~1 min on a quiet 2-core
 machine, ~3 min on a loaded one).  A loaded machine can make the pool
 miss its lookup deadline (``lookup_wait_s``, 250 ms): the tier then
 pauses and requests recompute (shown in the run's line and the ``pool
-pauses`` column); ``--pool-option lookup_wait_s=1.0`` widens it.
+pauses`` column); ``--pool-option lookup_wait_s=1.0`` widens it (--smoke
+uses the tests' pool deadlines, ``TEST_POOL_OPTIONS``).
 
 Writes ``benchmarks/results/serving_pool.{json,png}`` (``--smoke``: a
 temporary folder unless ``--json``/``--png``).  Exit status 1 when a
@@ -299,6 +300,11 @@ def main() -> int:
     vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]
     p["workload"] = dataclasses.replace(p["workload"], vocab=vocab)
     kinds = {CONFIGS[k][1] for k in keys}
+    options = pool_options(args.pool_option)
+    if args.smoke:  # the tests' deadlines, made for a loaded 2-core machine
+        from vllm_overlay.testing.v0_11_2 import TEST_POOL_OPTIONS
+
+        options = {**TEST_POOL_OPTIONS, **options}
     if "e" in keys and not (pathlib.Path(args.venv_0112) / "bin" / "vllm").exists():
         raise SystemExit(f"(e) needs vLLM 0.11.2: no {args.venv_0112}/bin/vllm")
     print(
@@ -311,7 +317,7 @@ def main() -> int:
     runs, failed = [], {}
     with contextlib.ExitStack() as stack:
         pool = pool_backend(stack, args.secondary, kinds, out)
-        pool["options"] = pool_options(args.pool_option)
+        pool["options"] = options
         ports = start_nodes(stack, args, p, model, kinds, pool, out)
         proxies = {
             k: stack.enter_context(
@@ -356,7 +362,7 @@ def main() -> int:
             k: (dataclasses.asdict(v) if k == "workload" else v) for k, v in p.items()
         },
         "secondary": args.secondary,
-        "pool_options": pool_options(args.pool_option),
+        "pool_options": options,
         "threads": args.threads,
         "seconds": time.perf_counter() - started,
         "loadavg_start_end": [list(load), list(os.getloadavg())],
