@@ -201,7 +201,7 @@ def run_config(key: str, repeat: int, work: dict, ports, proxy, p: dict) -> dict
     )
     routed = [a - b for a, b in zip(proxy.sent(), sent_before)]
     after = metrics.wait_finished(ports, before, routed)
-    per_node = [metrics.hits(metrics.delta(b, a)) for b, a in zip(before, after)]
+    per_node = [metrics.hits(metrics.delta(b, a), BLOCK) for b, a in zip(before, after)]
     return {
         "config": key,
         "label": label,

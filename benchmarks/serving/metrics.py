@@ -13,6 +13,10 @@ tier names one).  Here ``pool`` is every source but ``device`` and
 vLLM 0.11.2 has no per-source counter: ``vllm:prefix_cache_hits`` (the
 device prefix cache) and ``vllm:external_prefix_cache_hits`` (whatever the
 KV connector supplied: host and pool together, reported as ``external``).
+Where the overlay's 0.11.2 connectors export their own counters
+(``vllm:overlay_pool_loaded_blocks``: blocks the pool connector loaded,
+which MultiConnector's host connector then loads from host memory), the
+pool's share is those blocks' tokens and the host's the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ BY_ORIGIN = "vllm:prompt_tokens_by_source"  # 0.32: local_compute, ...
 FINISHED = "vllm:request_success"
 COLUMNS = ("device", "host", "pool", "external")
 POOL_TIER = "vllm:kv_offload_pool_"  # the overlay's pool tier (0.32)
+POOL_LOADED_0112 = "vllm:overlay_pool_loaded_blocks"  # its 0.11.2 connector
 
 
 def scrape(port: int, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
@@ -66,9 +71,10 @@ def total(counters: dict, name: str) -> float:
     return sum(counters.get(name, {}).values())
 
 
-def hits(counters: dict) -> dict[str, int]:
+def hits(counters: dict, block: int = 128) -> dict[str, int]:
     """Hit tokens by column (device / host / pool / external) and the raw
-    per-source counts, from one node's counters (or a delta)."""
+    per-source counts, from one node's counters (or a delta); ``block``:
+    tokens per KV block."""
     out = dict.fromkeys(COLUMNS, 0)
     if BY_SOURCE in counters:  # 0.32
         raw = {k: int(v) for k, v in counters[BY_SOURCE].items() if v}
@@ -78,6 +84,9 @@ def hits(counters: dict) -> dict[str, int]:
     else:  # 0.11.2
         out["device"] = int(total(counters, DEVICE_0112))
         out["external"] = int(total(counters, EXTERNAL_0112))
+        if POOL_LOADED_0112 in counters:
+            pool = int(total(counters, POOL_LOADED_0112)) * block
+            out["pool"], out["host"] = pool, max(out["external"] - pool, 0)
     out["prompt_tokens"] = int(total(counters, PROMPT_TOKENS))
     if BY_ORIGIN in counters:  # 0.32: prompt tokens prefilled here
         out["computed"] = int(counters[BY_ORIGIN].get("local_compute", 0))

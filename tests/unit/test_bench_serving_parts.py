@@ -187,6 +187,15 @@ def test_hits_by_source_from_each_release_s_metrics():
         0,
         640,
     )
+    # The overlay's 0.11.2 connectors' own counter splits it.
+    split = hits(
+        parse(
+            EXPOSITION_0112
+            + "# TYPE vllm:overlay_pool_loaded_blocks_total counter\n"
+            + 'vllm:overlay_pool_loaded_blocks_total{engine="0"} 3.0\n'
+        )
+    )
+    assert (split["host"], split["pool"], split["external"]) == (256, 384, 640)
     both = add([new, new])
     assert both["pool"] == 256 and both["raw"]["host"] == 512
     assert both["pool_tier"]["pauses"] == 4 and finished(parse(EXPOSITION_032)) == 3
