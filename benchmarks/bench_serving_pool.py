@@ -352,9 +352,11 @@ def main() -> int:
                 print(checks.progress(run), flush=True)
     rows = report.summarize(runs, keys)
     problems = list(failed.values()) + checks.problems(runs, BLOCK)
+    notes = checks.notes(runs)
     print()
     print(report.table(rows))
-    for line in report.goals(rows) + [f"PROBLEM: {x}" for x in problems]:
+    lines = report.goals(rows) + [f"NOTE: {x}" for x in notes]
+    for line in lines + [f"PROBLEM: {x}" for x in problems]:
         print(line)
     meta = {
         "model": model,
@@ -371,7 +373,14 @@ def main() -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(
         json.dumps(
-            {"meta": meta, "rows": rows, "problems": problems, "runs": runs}, indent=1
+            {
+                "meta": meta,
+                "rows": rows,
+                "problems": problems,
+                "notes": notes,
+                "runs": runs,
+            },
+            indent=1,
         )
     )
     print(f"JSON: {json_path}")

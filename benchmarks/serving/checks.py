@@ -68,6 +68,21 @@ def problems(runs: list[dict], block: int) -> list[str]:
     return out
 
 
+def notes(runs: list[dict]) -> list[str]:
+    """Where vLLM's hit counters and the answers' cached tokens disagree
+    (0.32: e.g. a preempted request admitted twice)."""
+    out = []
+    for run in runs:
+        hits = run["hits"]
+        counted = sum(hits.get(c, 0) for c in ("device", "host", "pool"))
+        if "raw" in hits and counted != hits.get("cached", counted):
+            out.append(
+                f"({run['config']}) repeat {run['repeat']}: vLLM's metrics count "
+                f"{counted} hit tokens, the answers {hits['cached']}"
+            )
+    return out
+
+
 TROUBLE = ("pauses", "lookup_timeouts", "slow", "unreachable", "errors")
 
 

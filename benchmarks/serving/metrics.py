@@ -71,10 +71,11 @@ def total(counters: dict, name: str) -> float:
     return sum(counters.get(name, {}).values())
 
 
-def hits(counters: dict, block: int = 128) -> dict[str, int]:
+def hits(counters: dict, block: int = 128, cached: int | None = None) -> dict:
     """Hit tokens by column (device / host / pool / external) and the raw
     per-source counts, from one node's counters (or a delta); ``block``:
-    tokens per KV block."""
+    tokens per KV block; ``cached``: the cached tokens the node's answers
+    reported (``usage.prompt_tokens_details``), summed."""
     out = dict.fromkeys(COLUMNS, 0)
     if BY_SOURCE in counters:  # 0.32
         raw = {k: int(v) for k, v in counters[BY_SOURCE].items() if v}
@@ -87,7 +88,17 @@ def hits(counters: dict, block: int = 128) -> dict[str, int]:
         if POOL_LOADED_0112 in counters:
             pool = int(total(counters, POOL_LOADED_0112)) * block
             out["pool"], out["host"] = pool, max(out["external"] - pool, 0)
+        if cached is not None:
+            # 0.11.2 counts device hits at every lookup of a request, and a
+            # request whose connector lookup is pending (None) is looked up
+            # again the next step (scheduler.schedule): the device's share
+            # is what the answers say was cached minus the external part.
+            out["device_counter"] = out["device"]
+            out["device"] = max(cached - out["external"], 0)
     out["prompt_tokens"] = int(total(counters, PROMPT_TOKENS))
+    if cached is not None:
+        out["cached"] = cached
+        out["computed"] = out["prompt_tokens"] - cached
     if BY_ORIGIN in counters:  # 0.32: prompt tokens prefilled here
         out["computed"] = int(counters[BY_ORIGIN].get("local_compute", 0))
     pool = {

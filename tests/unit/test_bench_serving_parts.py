@@ -196,6 +196,11 @@ def test_hits_by_source_from_each_release_s_metrics():
         )
     )
     assert (split["host"], split["pool"], split["external"]) == (256, 384, 640)
+    # 0.11.2's device counter counts repeated lookups: the answers' cached
+    # tokens (usage) give the device's share.
+    told = hits(parse(EXPOSITION_0112), cached=1000)
+    assert (told["device"], told["device_counter"]) == (360, 384)
+    assert told["computed"] == 1500 - 1000
     both = add([new, new])
     assert both["pool"] == 256 and both["raw"]["host"] == 512
     assert both["pool_tier"]["pauses"] == 4 and finished(parse(EXPOSITION_032)) == 3
