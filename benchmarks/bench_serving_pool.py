@@ -201,7 +201,14 @@ def run_config(key: str, repeat: int, work: dict, ports, proxy, p: dict) -> dict
     )
     routed = [a - b for a, b in zip(proxy.sent(), sent_before)]
     after = metrics.wait_finished(ports, before, routed)
-    per_node = [metrics.hits(metrics.delta(b, a), BLOCK) for b, a in zip(before, after)]
+    cached = [0] * len(ports)  # what the answers said, per node
+    for r in result["requests"]:
+        if r.get("node") is not None:
+            cached[int(r["node"])] += r.get("cached_tokens") or 0
+    per_node = [
+        metrics.hits(metrics.delta(b, a), BLOCK, c)
+        for b, a, c in zip(before, after, cached)
+    ]
     return {
         "config": key,
         "label": label,
