@@ -271,13 +271,28 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per node")
     ap.add_argument("--model", help="a model folder (default: built/cached)")
     ap.add_argument("--startup-s", type=float, default=600.0)
+    ap.add_argument("--replot", metavar="JSON", help="table and PNG of a saved run")
     ap.add_argument("--json")
     ap.add_argument("--png")
     return ap.parse_args()
 
 
+def replot(path: pathlib.Path, png: pathlib.Path) -> int:
+    saved = json.loads(path.read_text())
+    keys = list(dict.fromkeys(r["config"] for r in saved["runs"]))
+    rows = report.summarize(saved["runs"], sorted(keys))
+    print(report.table(rows))
+    print("\n".join(report.goals(rows)))
+    report.plot(rows, saved["runs"], png)
+    print(f"PNG: {png}")
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.replot:
+        path = pathlib.Path(args.replot)
+        return replot(path, pathlib.Path(args.png or path.with_suffix(".png")))
     p = dict(SMOKE if args.smoke else FULL)
     for key in (
         "repeats",

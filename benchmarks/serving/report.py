@@ -9,6 +9,12 @@ import statistics
 HIT_COLUMNS = ("device", "host", "pool", "external")
 
 
+def hit_total(hits: dict) -> int:
+    """All hit tokens: ``external`` (0.11.2) is host + pool, counted once."""
+    split = hits.get("host", 0) + hits.get("pool", 0)
+    return hits.get("device", 0) + max(split, hits.get("external", 0))
+
+
 def percentile(values: list[float], q: int) -> float:
     if len(values) == 1:
         return values[0]
@@ -60,8 +66,7 @@ def summarize(runs: list[dict], configs: list[str]) -> list[dict]:
         )
         row["hits_ideal"] = statistics.median(r["ideal_hits"] for r in rs)
         row["hits_share_of_ideal"] = statistics.median(
-            sum(r["hits"].get(c, 0) for c in HIT_COLUMNS) / max(r["ideal_hits"], 1)
-            for r in rs
+            hit_total(r["hits"]) / max(r["ideal_hits"], 1) for r in rs
         )
         for ref in ("a", "b"):
             pairs = [
@@ -170,19 +175,24 @@ def plot(rows: list[dict], runs: list[dict], path) -> bool:
     bottom = [0.0] * len(rows)
     for col in HIT_COLUMNS:
         values = [r[f"hits_{col}"] for r in rows]
+        if col == "external":  # only where host and pool are not split
+            values = [
+                0 if r["hits_host"] + r["hits_pool"] else v
+                for r, v in zip(rows, values)
+            ]
         if any(values):
             right.bar(names, values, bottom=bottom, label=col)
             bottom = [b + v for b, v in zip(bottom, values)]
-    right.plot(
+    right.bar(
         names,
-        [r["hits_prompt_tokens"] for r in rows],
-        "k_",
-        ms=30,
-        label="prompt tokens",
+        [r["hits_computed"] for r in rows],
+        bottom=bottom,
+        label="prefilled (no cached KV)",
+        color="lightgrey",
     )
-    right.set_ylabel("tokens per repeat (median)")
-    right.set_title("Cache hit tokens by source (vLLM's metrics)")
-    right.legend(fontsize=8)
+    right.set_ylabel("prompt tokens per repeat (median)")
+    right.set_title("Where the prompts' KV came from (vLLM's metrics)")
+    right.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
