@@ -73,6 +73,18 @@ class Node:
             ReqContext("r"),
         )
 
+    def store(self, keys, chunks):
+        """Cascade primary chunks to the pool; the job's result."""
+        job = self.job(keys, chunks, promotion=False)
+        self.tier.submit_store(job)
+        return self.finish(job.job_id)
+
+    def load(self, keys, chunks, timeout_s: float = 15.0):
+        """Promote pool values into primary chunks; the job's result."""
+        job = self.job(keys, chunks, promotion=True)
+        self.tier.submit_load(job)
+        return self.finish(job.job_id, timeout_s)
+
     def finish(self, job_id: int, timeout_s: float = 15.0):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -119,15 +131,11 @@ def test_a_node_loads_what_another_stored_byte_for_byte(server):
         k = keys(3)
         rng = numpy.random.default_rng(0)
         a.rows[1:3] = rng.integers(0, 256, (2, ROW), dtype=numpy.uint8)
-        job = a.job(k[:2], [1, 2], promotion=False)
-        a.tier.submit_store(job)
-        assert a.finish(job.job_id).success
+        assert a.store(k[:2], [1, 2]).success
         assert redis.Redis.from_url(server.url).dbsize() == 2
         assert b.lookup(k[0]) is LookupResult.HIT
         assert b.lookup(k[2]) is LookupResult.MISS
-        job = b.job(k[:2], [5, 6], promotion=True)
-        b.tier.submit_load(job)
-        result = b.finish(job.job_id)
+        result = b.load(k[:2], [5, 6])
         assert result.success and result.transfer_bytes == 2 * ROW
         assert (b.rows[5:7] == a.rows[1:3]).all()
         assert not b.rows[[0, 1, 2, 3, 4, 7]].any()  # nothing else written
@@ -146,18 +154,14 @@ def test_a_changed_value_fails_its_key_only_and_is_deleted(server):
     try:
         k = keys(2)
         a.rows[1:3] = 7
-        job = a.job(k, [1, 2], promotion=False)
-        a.tier.submit_store(job)
-        a.finish(job.job_id)
+        a.store(k, [1, 2])
         client = redis.Redis.from_url(server.url)
         name = a.tier._name(k[1])
         value = client.get(name)
         client.set(name, value[:-1] + bytes([value[-1] ^ 1]))
         assert b.lookup(k[0]) is LookupResult.HIT
         assert b.lookup(k[1]) is LookupResult.HIT
-        job = b.job(k, [3, 4], promotion=True)
-        b.tier.submit_load(job)
-        result = b.finish(job.job_id)
+        result = b.load(k, [3, 4])
         assert not result.success and list(result.successful_keys) == [k[0]]
         assert (b.rows[3] == 7).all()
         deadline = time.monotonic() + 10
@@ -174,9 +178,7 @@ def test_another_model_config_is_another_namespace(server):
     a, b = Node(server.url), Node(server.url, identity=("model-hash=other",))
     try:
         k = keys(1)
-        job = a.job(k, [0], promotion=False)
-        a.tier.submit_store(job)
-        a.finish(job.job_id)
+        a.store(k, [0])
         assert Node.lookup(a, k[0], req="x") is LookupResult.HIT
         assert b.lookup(k[0]) is LookupResult.MISS
     finally:
@@ -189,17 +191,14 @@ def test_a_hung_server_holds_no_call_and_lookups_become_misses(server):
     b = Node(server.url, lookup_wait_s=0.2, timeout_s=1.0, io_timeout_s=2.0)
     try:
         k = keys(2)
-        job = a.job(k, [0, 1], promotion=False)
-        a.tier.submit_store(job)
-        a.finish(job.job_id)
+        a.store(k, [0, 1])
         assert b.lookup(k[0]) is LookupResult.HIT  # connected
         server.pause()
         start = time.monotonic()
         assert b.lookup(k[1], req="later") is LookupResult.MISS
         assert time.monotonic() - start < 3.0
-        job = b.job(k, [2, 3], promotion=True)
-        b.tier.submit_load(job)  # paused reads: fails at once, nothing waits
-        assert not b.finish(job.job_id, timeout_s=5.0).success
+        # Paused reads: the load fails at once, nothing waits.
+        assert not b.load(k, [2, 3], timeout_s=5.0).success
         stats = b.tier.get_stats().reduce()
         assert stats["vllm:kv_offload_pool_lookup_timeouts"] == 1
         assert stats["vllm:kv_offload_pool_slow"] >= 1
