@@ -207,6 +207,13 @@ def take_refused(connector_output) -> set[int]:
     """The refused block ids a step's stats carry, removed from them (they
     are not a metric)."""
     stats = getattr(connector_output, "kv_connector_stats", None)
-    if stats is None or not isinstance(getattr(stats, "data", None), dict):
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict):
         return set()
-    return set(stats.data.pop(REFUSED_KEY, ()))
+    if REFUSED_KEY not in data:
+        # Under vLLM's MultiConnector: one entry per connector class.
+        nested = data.get("SharedKVPoolConnector")
+        data = getattr(nested, "data", None)
+        if not isinstance(data, dict):
+            return set()
+    return set(data.pop(REFUSED_KEY, ()))
