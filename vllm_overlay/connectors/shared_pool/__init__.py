@@ -50,10 +50,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from vllm_overlay.connectors.shared_pool.common import (
     PoolConnectorStats,
+    PoolPromMetrics,
     namespace_tag,
     take_stats,
 )
@@ -184,6 +188,14 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         cls, data: dict | None = None
     ) -> KVConnectorStats | None:
         return PoolConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> KVConnectorPromMetrics:
+        return PoolPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def shutdown(self) -> None:
         self.pool.close()

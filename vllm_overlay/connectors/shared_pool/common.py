@@ -10,6 +10,8 @@ import hashlib
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from vllm_overlay.connectors.offloading import CounterPromMetrics
+
 
 def cross_layer_expected() -> bool:
     """Whether this node's workers may register cross-layer blocks (the
@@ -143,6 +145,37 @@ class PoolMetadata(KVConnectorMetadata):
 REFUSED_KEY = "refused_block_ids"
 
 
+# The stats' counts (per interval), in the log line and as Prometheus
+# counters ``vllm:overlay_pool_<count>`` (bytes_in and bytes_out too).
+COUNTS = (
+    "hits",
+    "misses",
+    "lookups_skipped",
+    "lookup_timeouts",
+    "loaded_blocks",
+    "load_failures",
+    "stored_blocks",
+    "dropped_stores",
+    "limited_loads",
+    "bad_signatures",
+    "bad_keys",
+    "errors",
+    "internal_errors",
+    "load_timeouts",
+    "stuck",
+)
+
+
+class PoolPromMetrics(CounterPromMetrics):
+    COUNTERS = {
+        f"vllm:overlay_pool_{count}": (
+            f"SharedKVPoolConnector: {count.replace('_', ' ')}",
+            lambda data, count=count: data.get(count, 0),
+        )
+        for count in (*COUNTS, "bytes_in", "bytes_out")
+    }
+
+
 @dataclasses.dataclass
 class PoolConnectorStats(KVConnectorStats):
     def reset(self) -> None:
@@ -158,26 +191,7 @@ class PoolConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
-        out = {
-            k: d.get(k, 0)
-            for k in (
-                "hits",
-                "misses",
-                "lookups_skipped",
-                "lookup_timeouts",
-                "loaded_blocks",
-                "load_failures",
-                "stored_blocks",
-                "dropped_stores",
-                "limited_loads",
-                "bad_signatures",
-                "bad_keys",
-                "errors",
-                "internal_errors",
-                "load_timeouts",
-                "stuck",
-            )
-        }
+        out = {k: d.get(k, 0) for k in COUNTS}
         out["MiB_in"] = round(d.get("bytes_in", 0) / 2**20, 2)
         out["MiB_out"] = round(d.get("bytes_out", 0) / 2**20, 2)
         for way in ("in", "out"):
