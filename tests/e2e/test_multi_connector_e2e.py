@@ -110,6 +110,7 @@ def test_one_layout_for_both_connectors(nodes):
         assert "KV connector MultiConnector does not prefer cross-layer" in run.log
         assert "offloading: 4 per-layer caches" in run.log
         assert "KV pool: 4 per-layer caches" in run.log
+        assert "the KV connector in front (MultiConnector) does not ask" in run.log
         assert all(t["all_blocks_freed"] for t in run.result["totals"])
 
 
