@@ -114,7 +114,8 @@ def counters(port: int) -> dict[str, float]:
 def node(url: str, log: pathlib.Path) -> dict:
     flags = ["--enable-prompt-tokens-details"]
     flags += ["--kv-transfer-config", kv_transfer_config(url)]
-    env = harness_env(VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache
+    # /reset_prefix_cache; vLLM's stats log every 0.5 s
+    env = harness_env(VLLM_SERVER_DEV_MODE="1", VLLM_LOG_STATS_INTERVAL="0.5")
     with served_model(CONFIG, log, flags, env) as port:
         first = [complete(port, p) for p in prompts("shared")]
         reset_prefix_cache(port)
@@ -162,4 +163,10 @@ def test_two_served_nodes_host_then_pool(tmp_path):
     assert b["counters"][pool + "stored_blocks"] == 0
     for run in (a, b):
         assert "Internal Server Error" not in run["log"]
+        # vLLM's own stats log, per connector.
+        logged = [
+            line for line in run["log"].splitlines() if "KV Transfer metrics" in line
+        ]
+        assert any("OverlayOffloadingConnector" in line for line in logged)
+        assert any("SharedKVPoolConnector" in line for line in logged)
         assert "KV connector MultiConnector does not prefer cross-layer" in run["log"]
