@@ -150,6 +150,8 @@ NOT_STAGED = {
     "create_engine_config (the 0.11.2 form is patches/pp-kv-budget)",
     "engine-core": "wraps get_kv_cache_configs (the 0.11.2 form is "
     "patches/pp-kv-budget)",
+    "offloading-connector": "wraps build_offloading_config as imported by "
+    "offloading_connector.py (the pool tier's model config identity)",
 }
 
 

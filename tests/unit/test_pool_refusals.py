@@ -141,3 +141,33 @@ def test_a_request_never_loads_again_what_its_load_failed(overlay):
             assert answers["r1-again"][-1] == 6 * BLOCK  # transient: asked again
         finally:
             pool.close()
+
+
+def test_refusals_reach_the_scheduler_through_multi_connector_stats():
+    """Under vLLM's MultiConnector a step's stats are one entry per
+    connector class: the pool's refused blocks are found (and taken out)
+    there too, not only in the pool connector's own stats."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorStats,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_overlay.connectors.offloading import OffloadStats
+    from vllm_overlay.connectors.shared_pool.common import take_refused
+
+    pool_stats = PoolConnectorStats(data={"load_failures": 2, REFUSED_KEY: [3, 4]})
+    host_stats = OffloadStats(data={"load": {"jobs": 1, "blocks": 2}})
+    multi = MultiKVConnectorStats(
+        data={
+            "OverlayOffloadingConnector": host_stats,
+            "SharedKVPoolConnector": pool_stats,
+        }
+    )
+    output = KVConnectorOutput(kv_connector_stats=multi)
+    assert take_refused(output) == {3, 4}
+    assert pool_stats.data == {"load_failures": 2}  # not a metric: taken out
+    assert host_stats.data == {"load": {"jobs": 1, "blocks": 2}}
+    assert take_refused(KVConnectorOutput(kv_connector_stats=multi)) == set()
+    solo = PoolConnectorStats(data={REFUSED_KEY: [7]})
+    assert take_refused(KVConnectorOutput(kv_connector_stats=solo)) == {7}
+    assert take_refused(KVConnectorOutput()) == set()

@@ -71,7 +71,7 @@ def tier_values(config: dict) -> tuple[str, int] | None:
     """(the result's name, how many values the secondary tier holds)."""
     if config.get("fs_dir"):
         return "fs_files", sum(1 for _ in pathlib.Path(config["fs_dir"]).rglob("*.bin"))
-    if config.get("pool_url"):
+    if "pool_values" in config:  # (a run may be given a pool it cannot reach)
         import redis
 
         with redis.Redis.from_url(config["pool_url"], socket_timeout=5) as client:

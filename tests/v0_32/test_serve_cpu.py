@@ -9,7 +9,9 @@ serve`` runs it):
 * stock: ``VLLM_OVERLAY_DISABLE=1``;
 * cross-layer: ``VLLM_KV_CACHE_LAYOUT=BLHNC`` (patch CL32-01);
 * offloading: ``--kv-transfer-config`` naming upstream's
-  ``OffloadingConnector`` with ``cpu_bytes_to_use`` (patch OF32-01).
+  ``OffloadingConnector`` with ``cpu_bytes_to_use`` (patch OF32-01);
+* two nodes sharing the pool tier (``TieringOffloadingSpec`` with the
+  overlay's ``SharedPoolTier``): node B serves node A's prefixes.
 
 Each gets the same copy prompts one request at a time, twice: cold, then
 with the prompts' full blocks cached (stock and cross-layer: the device
@@ -26,8 +28,10 @@ import pathlib
 import random
 import sys
 import time
+import urllib.request
 
 import pytest
+import redis
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "eval"))
@@ -40,6 +44,8 @@ from support.served_vllm import (  # noqa: E402
     post,
     served_model,
 )
+
+from vllm_overlay.testing.redis import redis_server  # noqa: E402
 
 CONFIG = load_config(DEFAULT_CONFIG)
 BLOCK = 128  # vLLM 0.32's block size on CPU
@@ -92,6 +98,16 @@ def complete(port: int, prompt: str) -> dict:
     }
 
 
+def step(port: int) -> None:
+    """A one-token request: the engine steps (finished stores complete)."""
+    post(
+        port,
+        "/v1/completions",
+        {"model": SERVED_NAME, "prompt": "t00", "max_tokens": 1},
+    )
+    time.sleep(0.5)
+
+
 def reset_prefix_cache(port: int, deadline_s: float = 60.0) -> None:
     """Empty the device prefix cache once the connector's stores are done
     (the reset fails while blocks are held: one-token requests let
@@ -99,12 +115,7 @@ def reset_prefix_cache(port: int, deadline_s: float = 60.0) -> None:
     deadline = time.monotonic() + deadline_s
     while not post(port, "/reset_prefix_cache")["success"]:
         assert time.monotonic() < deadline, "the device prefix cache stayed held"
-        post(
-            port,
-            "/v1/completions",
-            {"model": SERVED_NAME, "prompt": "t00", "max_tokens": 1},
-        )
-        time.sleep(0.5)
+        step(port)
 
 
 def serve(name: str, tmp: pathlib.Path) -> dict:
@@ -161,3 +172,78 @@ def test_served_path_equals_stock(runs, name):
     assert all(x["cached_tokens"] > 0 for x in run["passes"][1])
     for p in (0, 1):
         assert run["passes"][p] == stock["passes"][p], p  # tokens, logprobs, hits
+
+
+def pool_tier_config(url: str) -> dict:
+    """Upstream's OffloadingConnector, TieringOffloadingSpec: host memory
+    first, the overlay's pool tier second."""
+    extra = dict(OFFLOAD["kv_connector_extra_config"])
+    extra["spec_name"] = "TieringOffloadingSpec"
+    extra["secondary_tiers"] = [
+        {
+            "type": "SharedPoolTier",
+            "module_path": "vllm_overlay.integration.v0_32.pool_tier",
+            "url": url,
+        }
+    ]
+    return {**OFFLOAD, "kv_connector_extra_config": extra}
+
+
+def wait_for_values(url: str, port: int, count: int, deadline_s: float = 60.0):
+    """Until the pool holds ``count`` values (one-token requests step the
+    engine, so finished stores cascade to the pool)."""
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + deadline_s
+    while client.dbsize() < count:
+        assert time.monotonic() < deadline, f"{client.dbsize()} of {count} values"
+        post(
+            port,
+            "/v1/completions",
+            {"model": SERVED_NAME, "prompt": "t00", "max_tokens": 1},
+        )
+        time.sleep(0.5)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus sample ``name`` over the series with ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(
+            f'{k}="{v}"' in head for k, v in labels.items()
+        ):
+            total += float(value)
+    return total
+
+
+def test_two_served_nodes_share_the_pool_tier(runs, tmp_path):
+    """Node A serves the copy prompts (its blocks cascade from host memory
+    to the pool); node B, a second ``vllm serve`` on the same pool while A
+    runs, serves them from the pool: stock's tokens, logprobs and hit
+    lengths (stock's hits: its device prefix cache), reported by vLLM's own
+    metrics as hits from the external tier, and the tier's counters."""
+    stock = served(runs, "stock")
+    blocks = sum(x["cached_tokens"] for x in stock["passes"][1]) // BLOCK
+    with redis_server() as url:
+        flags = [
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config",
+            json.dumps(pool_tier_config(url)),
+        ]
+        env = harness_env(VLLM_SERVER_DEV_MODE="1")
+        with served_model(CONFIG, tmp_path / "node-a.log", flags, env) as a:
+            cold = [complete(a, p) for p in prompts()]
+            wait_for_values(url, a, blocks)
+            with served_model(CONFIG, tmp_path / "node-b.log", flags, env) as b:
+                loaded = [complete(b, p) for p in prompts()]
+                with urllib.request.urlopen(f"http://127.0.0.1:{b}/metrics") as r:
+                    metrics = r.read().decode()
+    assert cold == stock["passes"][0]
+    assert loaded == stock["passes"][1]  # tokens, logprobs, cached tokens
+    hits = sum(x["cached_tokens"] for x in loaded)
+    by_source = "vllm:prompt_tokens_cached_by_source_total"
+    assert metric(metrics, by_source, source="external_unspecified") == hits
+    assert metric(metrics, by_source, source="host") == 0
+    assert metric(metrics, "vllm:kv_offload_pool_loaded_blocks_total") == blocks
+    log = (tmp_path / "node-b.log").read_text(errors="replace")
+    assert "vllm-overlay KV pool tier: redis://" in log

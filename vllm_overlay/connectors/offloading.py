@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
     OffloadingConnectorScheduler,
@@ -272,6 +276,49 @@ class OffloadStats(KVConnectorStats):
         return not any(v.get("jobs") for v in self.data.values())
 
 
+class CounterPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters of a connector's stats: ``COUNTERS`` maps each
+    counter's name to its help text and its increment, taken from one
+    interval's stats data.  vLLM 0.11.2's MultiConnector requires Prometheus
+    metrics of every connector that reports stats: without them the API
+    server's first stats record fails."""
+
+    COUNTERS: dict[str, tuple[str, Callable[[dict], float]]] = {}
+
+    def __init__(
+        self, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: self.make_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            )
+            for name, (doc, _) in self.COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for name, (_, increment) in self.COUNTERS.items():
+            value = increment(transfer_stats_data)
+            if value > 0:
+                self.counters[name][engine_idx].inc(value)
+
+
+def _moved(direction: str, what: str) -> Callable[[dict], float]:
+    return lambda data: data.get(direction, {}).get(what, 0)
+
+
+class OffloadPromMetrics(CounterPromMetrics):
+    COUNTERS = {
+        f"vllm:overlay_host_{verb}_{what}": (
+            f"KV {what} {verb} {'to' if direction == 'store' else 'from'} "
+            "host memory by OverlayOffloadingConnector",
+            _moved(direction, what),
+        )
+        for direction, verb in (("load", "loaded"), ("store", "stored"))
+        for what in ("blocks", "bytes")
+    }
+
+
 class _Scheduler(OffloadingConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         # A request that must not read cached KV (prompt logprobs: vLLM
@@ -328,3 +375,11 @@ class OverlayOffloadingConnector(OffloadingConnector):
         cls, data: dict | None = None
     ) -> KVConnectorStats | None:
         return OffloadStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> KVConnectorPromMetrics:
+        return OffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

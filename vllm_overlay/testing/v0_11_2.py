@@ -59,6 +59,32 @@ def pool_connector(url: str, namespace: str | None = None, **extra):
     )
 
 
+def multi_connector(offload: dict, pool: dict):
+    """vLLM's MultiConnector over OverlayOffloadingConnector (host memory,
+    asked first) and SharedKVPoolConnector (asked second); ``offload`` and
+    ``pool``: each one's ``kv_connector_extra_config``."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "connectors": [
+                {
+                    "kv_connector": "OverlayOffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": offload,
+                },
+                {
+                    "kv_connector": "SharedKVPoolConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": pool,
+                },
+            ]
+        },
+    )
+
+
 def connector_info(worker) -> dict:
     """Runs in the worker (``collective_rpc``): the layout and the overlay
     connector's own totals (pool: drained first, so its stores are in)."""

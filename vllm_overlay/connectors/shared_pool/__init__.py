@@ -50,10 +50,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from vllm_overlay.connectors.shared_pool.common import (
     PoolConnectorStats,
+    PoolPromMetrics,
     namespace_tag,
     take_stats,
 )
@@ -146,7 +150,32 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.connector_worker is not None
+        self._warn_if_behind_another_connector()
         self.connector_worker.register_kv_caches(kv_caches)
+
+    def _warn_if_behind_another_connector(self) -> None:
+        """Per-layer caches because the connector in front (vLLM's
+        MultiConnector) does not ask for cross-layer blocks: the namespace
+        cannot tell (the scheduler side never sees the layout), so say it."""
+        from vllm.distributed.kv_transfer import (
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+
+        if not has_kv_transfer_group():  # (built outside an engine)
+            return
+        front = get_kv_transfer_group()
+        if front is self or getattr(front, "prefer_cross_layer_blocks", False):
+            return
+        logger.warning(
+            "vllm-overlay KV pool: per-layer KV caches, because the KV "
+            "connector in front (%s) does not ask for cross-layer blocks. "
+            "Values of nodes running SharedKVPoolConnector alone (cross-layer "
+            "blocks) have another layout: this node refuses them and they "
+            "refuse its values (recomputed, never wrong). Give the two kinds "
+            "of nodes different namespaces.",
+            type(front).__name__,
+        )
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         assert self.connector_worker is not None
@@ -184,6 +213,14 @@ class SharedKVPoolConnector(KVConnectorBase_V1):
         cls, data: dict | None = None
     ) -> KVConnectorStats | None:
         return PoolConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> KVConnectorPromMetrics:
+        return PoolPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def shutdown(self) -> None:
         self.pool.close()

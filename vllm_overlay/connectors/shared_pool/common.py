@@ -8,6 +8,7 @@ import dataclasses
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from vllm_overlay.connectors.offloading import CounterPromMetrics
 from vllm_overlay.core.pool import keys
 
 
@@ -110,6 +111,37 @@ class PoolMetadata(KVConnectorMetadata):
 REFUSED_KEY = "refused_block_ids"
 
 
+# The stats' counts (per interval), in the log line and as Prometheus
+# counters ``vllm:overlay_pool_<count>`` (bytes_in and bytes_out too).
+COUNTS = (
+    "hits",
+    "misses",
+    "lookups_skipped",
+    "lookup_timeouts",
+    "loaded_blocks",
+    "load_failures",
+    "stored_blocks",
+    "dropped_stores",
+    "limited_loads",
+    "bad_signatures",
+    "bad_keys",
+    "errors",
+    "internal_errors",
+    "load_timeouts",
+    "stuck",
+)
+
+
+class PoolPromMetrics(CounterPromMetrics):
+    COUNTERS = {
+        f"vllm:overlay_pool_{count}": (
+            f"SharedKVPoolConnector: {count.replace('_', ' ')}",
+            lambda data, count=count: data.get(count, 0),
+        )
+        for count in (*COUNTS, "bytes_in", "bytes_out")
+    }
+
+
 @dataclasses.dataclass
 class PoolConnectorStats(KVConnectorStats):
     def reset(self) -> None:
@@ -125,26 +157,7 @@ class PoolConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
-        out = {
-            k: d.get(k, 0)
-            for k in (
-                "hits",
-                "misses",
-                "lookups_skipped",
-                "lookup_timeouts",
-                "loaded_blocks",
-                "load_failures",
-                "stored_blocks",
-                "dropped_stores",
-                "limited_loads",
-                "bad_signatures",
-                "bad_keys",
-                "errors",
-                "internal_errors",
-                "load_timeouts",
-                "stuck",
-            )
-        }
+        out = {k: d.get(k, 0) for k in COUNTS}
         out["MiB_in"] = round(d.get("bytes_in", 0) / 2**20, 2)
         out["MiB_out"] = round(d.get("bytes_out", 0) / 2**20, 2)
         for way in ("in", "out"):
@@ -174,6 +187,13 @@ def take_refused(connector_output) -> set[int]:
     """The refused block ids a step's stats carry, removed from them (they
     are not a metric)."""
     stats = getattr(connector_output, "kv_connector_stats", None)
-    if stats is None or not isinstance(getattr(stats, "data", None), dict):
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict):
         return set()
-    return set(stats.data.pop(REFUSED_KEY, ()))
+    if REFUSED_KEY not in data:
+        # Under vLLM's MultiConnector: one entry per connector class.
+        nested = data.get("SharedKVPoolConnector")
+        data = getattr(nested, "data", None)
+        if not isinstance(data, dict):
+            return set()
+    return set(data.pop(REFUSED_KEY, ()))
