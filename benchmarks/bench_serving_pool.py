@@ -146,7 +146,17 @@ def model_path(args) -> str:
     return built.stdout.splitlines()[0]
 
 
+def block_bytes(model: str) -> int:
+    """One KV block of the model (float32, K and V, every layer)."""
+    cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    return 2 * layers * kv_heads * head * 4 * BLOCK
+
+
 def start_nodes(stack, args, p: dict, model: str, kinds: set, pool: dict, logs):
+    # The device KV cache: exactly these blocks (not VLLM_CPU_KVCACHE_SPACE's
+    # whole GiB, which vLLM also checks is free before it starts).
     served = {
         "model_name": model,
         "model_args": {
@@ -155,6 +165,7 @@ def start_nodes(stack, args, p: dict, model: str, kinds: set, pool: dict, logs):
             "enforce_eager": True,
             "seed": 0,
             "num_gpu_blocks_override": p["device_blocks"],
+            "kv_cache_memory_bytes": p["device_blocks"] * block_bytes(model),
         },
     }
     sizes = {

@@ -164,6 +164,7 @@ def node_spec(
         OMP_NUM_THREADS=str(threads),
         TORCHDYNAMO_DISABLE="1",
         VLLM_SERVER_DEV_MODE="1",  # /reset_prefix_cache between runs
+        VLLM_CPU_KVCACHE_SPACE=None,  # it would override kv_cache_memory_bytes
     )
     return {
         "name": name,
