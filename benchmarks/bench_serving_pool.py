@@ -37,7 +37,10 @@ The model (built locally once, no hub: build_bench_llama) is sized so that
 prefill dominates on CPU, like a real model on a GPU: 16 layers, hidden
 1024, GQA with 4 KV heads: 32 KiB of KV per token (float32); a 2000-token
 prefill takes seconds on one core, reading its KV back takes milliseconds.
-One OpenMP thread per node (``--threads``).
+One OpenMP thread per node (``--threads``).  Memory: a node of this model
+is about 2.5 GB (API server, engine core and worker processes, 730 MB of
+weights, 512 MiB of device KV) plus its host tier: 6 nodes for a-d, 8
+with (e).
 
     python benchmarks/bench_serving_pool.py                 # 3 repeats
     python benchmarks/bench_serving_pool.py --with-0112     # + (e)
@@ -101,9 +104,13 @@ FULL = dict(
     concurrency=4,
     think_s=1.0,
     max_tokens=16,
-    device_blocks=192,  # 24576 tokens = 768 MiB per node
+    # 16384 tokens = 512 MiB per node.  A repeat's workload holds 14-17k
+    # distinct tokens (430-540 MiB of KV): a node's share under sticky
+    # routing fits (b is the ideal router); a round-robin node, which sees
+    # nearly every conversation, is at the edge.
+    device_blocks=128,
     staging_mib=256,  # (c): the primary tier as staging only
-    host_mib=1024,  # (d), (e)
+    host_mib=512,  # (d), (e): about a repeat's distinct KV
     max_model_len=4096,
 )
 SMOKE = dict(
