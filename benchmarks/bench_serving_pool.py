@@ -275,6 +275,11 @@ def parse_args():
         metavar="KEY=VALUE",
         help="more pool keys (core/pool PoolConfig), e.g. lookup_wait_s=1.0",
     )
+    ap.add_argument(
+        "--server",
+        choices=["valkey", "redis"],
+        help="the pool's server (default: the tests' default kind)",
+    )
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--conversations", type=int, help="workload size")
@@ -356,7 +361,7 @@ def main() -> int:
     started, load = time.perf_counter(), os.getloadavg()
     runs, failed = [], {}
     with contextlib.ExitStack() as stack:
-        pool = pool_backend(stack, args.secondary, kinds, out)
+        pool = pool_backend(stack, args.secondary, kinds, out, args.server)
         pool["options"] = options
         ports = start_nodes(stack, args, p, model, kinds, pool, out)
         proxies = {
@@ -405,6 +410,7 @@ def main() -> int:
         },
         "secondary": args.secondary,
         "pool_options": options,
+        "server": pool.get("server_kind"),
         "threads": args.threads,
         "seconds": time.perf_counter() - started,
         "loadavg_start_end": [list(load), list(os.getloadavg())],

@@ -94,9 +94,12 @@ def warm(port: int, prompts: list[list[int]]) -> None:
         )
 
 
-def pool_backend(stack, secondary: str, kinds: set, workdir: pathlib.Path) -> dict:
-    """What the tiers share: a redis-server (``url``, also for 0.11.2's
-    connector) or, ``secondary="fs"``, a folder; ``flush()`` empties it."""
+def pool_backend(
+    stack, secondary: str, kinds: set, workdir: pathlib.Path, server_kind=None
+) -> dict:
+    """What the tiers share: a pool server (``url``, also for 0.11.2's
+    connector; ``server_kind``: valkey or redis, default the tests') or,
+    ``secondary="fs"``, a folder; ``flush()`` empties it."""
     backend = {"secondary": secondary, "flush": lambda: None}
     if not kinds & {"pool", "hostpool", "hostpool_0112"}:
         return backend
@@ -114,10 +117,11 @@ def pool_backend(stack, secondary: str, kinds: set, workdir: pathlib.Path) -> di
     if secondary == "pool" or "hostpool_0112" in kinds:
         from support.redis_server import RedisServer
 
-        server = RedisServer()
+        server = RedisServer(**({"kind": server_kind} if server_kind else {}))
         stack.callback(shutil.rmtree, server.dir, True)
         stack.callback(server.stop)
         backend["url"] = backend["url_0112"] = server.url
+        backend["server_kind"] = getattr(server, "kind", "redis")
         previous = backend["flush"]
 
         def flush_redis() -> None:
