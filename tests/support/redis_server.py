@@ -15,6 +15,7 @@ import threading
 import time
 
 from vllm_overlay.testing.redis import DEFAULT_KIND, start_server
+from vllm_overlay.testing.redis import free_port as any_free_port
 
 
 def _is_free(port: int) -> bool:
@@ -30,9 +31,7 @@ def free_port(cluster: bool = False) -> int:
     """A free loopback port; for cluster nodes also port + 10000 (the
     cluster bus), which must stay below 65536."""
     if not cluster:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return any_free_port()
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 50000)
