@@ -86,8 +86,9 @@ def test_stock_layout_row_copies_per_layer(demo):
 
 @pytest.mark.skipif(MISSING_SERVER is not None, reason=str(MISSING_SERVER))
 def test_copy_exact_after_pool_reload_in_another_process(demo):
-    _, summary, rows = demo
+    text, summary, rows = demo
     assert summary["pool_note"] is None
+    assert "pool server: a throwaway valkey server at redis://127.0.0.1:" in text
     pool = rows["pool reload (2nd process)"]
     assert pool["copy"]["all_exact"] and pool["copy"]["same_tokens_as_recompute"]
     assert pool["blocks_in"] > 0 and pool["copies_per_block"] == 1

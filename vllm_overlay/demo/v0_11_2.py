@@ -50,9 +50,17 @@ class Plan:
                 "env": {"VLLM_OVERLAY_SKIP_PATCHES": "CL-06"},
             }
         if self.pool_note is None:
-            from vllm_overlay.testing.redis import redis_server
+            from vllm_overlay.testing.redis import (
+                DEFAULT_KIND,
+                redis_server,
+                server_binary,
+            )
 
             url = stack.enter_context(redis_server())
+            self.notes.append(
+                f"pool server: a throwaway {DEFAULT_KIND} server at {url} "
+                f"({server_binary()})"
+            )
             pool = {**self.base, "connector": "pool", "url": url, "namespace": "demo"}
             out["writer"] = {**pool, "passes": ["cold"]}
             out["reader"] = {**pool, "passes": ["pool"]}
