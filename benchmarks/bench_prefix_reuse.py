@@ -422,6 +422,7 @@ def main() -> int:
 
     sys.path.insert(0, str(ROOT))
     from vllm_overlay.testing import cpu_defaults, quiet, tiny_model_path
+    from vllm_overlay.testing.redis import missing_server
 
     cpu_defaults()  # HF offline, nobind, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
     if args.model:
@@ -453,8 +454,9 @@ def main() -> int:
     engines_wanted = {p[3] for p in paths}
     if not args.no_pool:
         engines_wanted.add("pool_writer")
-        if shutil.which("redis-server") is None:
-            raise SystemExit("redis-server is not on PATH (or use --no-pool)")
+        missing = missing_server("redis")
+        if missing:
+            raise SystemExit(f"{missing} (or use --no-pool)")
     workdir = tempfile.mkdtemp(prefix="bench-prefix-reuse-")
     print(
         f"prefix reuse: model {model} ({cfg['num_hidden_layers']} layers, hidden "
@@ -476,7 +478,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         url = None
         if not args.no_pool:
-            server = RedisServer()
+            server = RedisServer(kind="redis")  # RESULTS.md's figures: Redis 7.0
             stack.callback(shutil.rmtree, server.dir, True)
             stack.callback(server.stop)
             url = server.url
