@@ -137,6 +137,8 @@ class EngineServer:
         from vllm_overlay.testing.v0_11_2 import offload_connector, pool_connector
 
         torch.set_num_threads(spec["threads"])
+        if spec.get("switch_interval_ms"):  # the GIL's (a diagnostic)
+            sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
         self.spec = spec
         self.layout_lines = LayoutLines().attach()
 
@@ -436,6 +438,12 @@ def main() -> int:
     ap.add_argument("--png", help="default benchmarks/results/prefix_reuse*.png")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="the GIL's switch interval in every engine (a diagnostic; "
+        "default Python's, 5 ms)",
+    )
+    ap.add_argument(
         "--vllm",
         help="the release's paths: 0.11.2 or 0.32 (default: the installed vLLM)",
     )
@@ -537,6 +545,7 @@ def main() -> int:
             "host_bytes": max(16 << 20, 4 * prompt_kv),
             "pool_inflight_bytes": max(256 << 20, 2 * prompt_kv),
             "url": url,
+            "switch_interval_ms": args.switch_interval_ms,
         }
         engines: dict[str, Engine] = {}
         for name in rel.ENGINES:
@@ -680,6 +689,7 @@ def main() -> int:
         "engines_up_s": up_s,
         "quick": args.quick,
         "vllm": release,
+        "switch_interval_ms": args.switch_interval_ms or 1e3 * sys.getswitchinterval(),
     }
     rows = summarise(runs, paths)
     print()

@@ -27,13 +27,15 @@ EVENTS = [
 class Phases:
     """Timestamps (``time.monotonic``, the engine core's clock) of each
     reload's steps, from wrappers set on the tier's and the offloading
-    worker's instances in this process."""
+    worker's instances in this process; ``steps``: the scheduler's steps
+    (``schedule`` calls) since ``reset``."""
 
-    def __init__(self, tier, worker) -> None:
+    def __init__(self, tier, worker, scheduler) -> None:
         self.t: dict[str, float] = {}
         self.h2d_s = 0.0
-        self.h2d_blocks = 0
+        self.steps = 0
         self._load_jobs: set[int] = set()
+        self._wrap(scheduler, "schedule", self._step)
         if tier is not None:
             self._wrap(tier, "lookup", self._lookup)
             self._wrap(tier, "submit_load", self._first("tier_submit"))
@@ -47,7 +49,10 @@ class Phases:
     def reset(self) -> None:
         self.t = {}
         self.h2d_s = 0.0
-        self.h2d_blocks = 0
+        self.steps = 0
+
+    def _step(self, *args) -> None:
+        self.steps += 1
 
     @staticmethod
     def _wrap(obj, name: str, after) -> None:
@@ -130,6 +135,11 @@ def print_phases(paths: list, loads: tuple, runs: list[dict]) -> None:
         copies = [run["paths"][key].get("h2d_copy_s", 0.0) for run in runs]
         cells.append(f"{1e3 * statistics.median(copies):.1f}")
     print("| (host->device copy itself, worker thread) | " + " | ".join(cells) + " |")
+    cells = []
+    for key in keys:
+        steps = [run["paths"][key].get("steps", 0) for run in runs]
+        cells.append(f"{statistics.median(steps):.0f}")
+    print("| (engine steps, arrival to the last token) | " + " | ".join(cells) + " |")
     cells = []
     for key in keys:
         ttft = [run["paths"][key]["ttft_s"] for run in runs]

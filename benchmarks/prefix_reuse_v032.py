@@ -38,6 +38,7 @@ arrival (front end, moved to this clock) and its engine-core
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from bench_prefix_reuse import check_round as check_paths
@@ -130,6 +131,8 @@ class EngineServer:
         from vllm_overlay.testing.observe import enable_request_metrics
 
         torch.set_num_threads(spec["threads"])
+        if spec.get("switch_interval_ms"):  # the GIL's (a diagnostic)
+            sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
         self.spec = spec
         started = time.perf_counter()
         self.llm = LLM(
@@ -157,7 +160,7 @@ class EngineServer:
             tiers = getattr(manager, "secondary_tiers", None) or []
             self.tier = tiers[0] if tiers else None
             self.worker = self.llm.collective_rpc(_offload_worker)[0]
-            self.phases = Phases(self.tier, self.worker)
+            self.phases = Phases(self.tier, self.worker, self.scheduler)
 
     def _counters(self) -> dict:
         if self.scheduler.connector is None:
@@ -245,6 +248,7 @@ class EngineServer:
             events = {**p.t, "arrival": arrival, "first_token": m.first_token_ts}
             res["events"] = {k: v - arrival for k, v in events.items()}
             res["h2d_copy_s"] = p.h2d_s
+            res["steps"] = p.steps
             # the main table's "transfer ms": the pool's read, else the copy
             moved["load_s"] = moved.get("pool_io_s_in") or p.h2d_s
             if moved.get("pool_bytes_in"):

@@ -16,8 +16,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = {  # path -> where vLLM says its hit came from (CacheHitSource)
-    "cold": {},
-    "hit": {},
+    "cold": set(),
+    "hit": set(),
     "host_cl": {"host"},
     "host_pl": {"host"},
     "tier_host": {"host"},
