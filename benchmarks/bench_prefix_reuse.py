@@ -72,6 +72,14 @@ is left to redis-server, the pool's I/O threads and the machine.
 Writes ``benchmarks/results/prefix_reuse.{json,png}`` (``--quick``: under a
 temporary folder unless ``--json``/``--png`` are given).  Exit status 1
 when a path did not happen or its tokens differ from the cold run's.
+
+vLLM 0.32: run from its interpreter (the release is read from the installed
+vLLM, or ``--vllm 0.32``); its paths, engines and checks, with vLLM's hits
+by source and each reload's per-phase attribution, are in
+``prefix_reuse_v032.py`` and ``prefix_reuse_phases.py``; it writes
+``prefix_reuse_v032.{json,png}``:
+
+    .venv-0.32/bin/python benchmarks/bench_prefix_reuse.py --quick
 """
 
 from __future__ import annotations
