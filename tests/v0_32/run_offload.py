@@ -17,6 +17,8 @@ DIR holds ``"fs_files"`` block files and reports how many it holds.
 Redis/Valkey pool) as the secondary tier; the runner waits until the pool
 holds ``"pool_values"`` values and reports how many it holds.
 ``"passes"``: which passes to run (default all three, in order).
+``"model": "mla"``: the tiny DeepSeek (MLA, CPU_MLA) instead of the tiny
+Llama; on the CPU platform it runs without a device prefix cache.
 
     python run_offload.py '{"connector": true}'   # env: VLLM_KV_CACHE_LAYOUT
     python run_offload.py '{"connector": true, "fs_dir": "/tmp/kv"}'
@@ -34,7 +36,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 from result_out import records  # noqa: E402
 from run_llm import prompts  # noqa: E402
 
-from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
+from vllm_overlay.testing import (  # noqa: E402
+    cpu_defaults,
+    tiny_engine_args,
+    tiny_mla_engine_args,
+)
 from vllm_overlay.testing.v0_32 import CPU_BYTES  # noqa: E402
 from vllm_overlay.testing.v0_32 import connector_info as worker_info  # noqa: E402
 
@@ -93,7 +99,9 @@ def main(config: dict) -> dict:
             kv_role="kv_both",
             kv_connector_extra_config=extra_config(config),
         )
-    llm = LLM(**tiny_engine_args(kv_transfer_config=kv))
+    mla = config.get("model") == "mla"
+    engine_args = tiny_mla_engine_args if mla else tiny_engine_args
+    llm = LLM(**engine_args(kv_transfer_config=kv))
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
 
     def run(batch: list[str] | None = None) -> list[dict]:
