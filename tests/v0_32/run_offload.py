@@ -17,8 +17,8 @@ DIR holds ``"fs_files"`` block files and reports how many it holds.
 Redis/Valkey pool) as the secondary tier; the runner waits until the pool
 holds ``"pool_values"`` values and reports how many it holds.
 ``"passes"``: which passes to run (default all three, in order).
-``"model": "mla"``: the tiny DeepSeek (MLA, CPU_MLA) instead of the tiny
-Llama; on the CPU platform it runs without a device prefix cache.
+``"model": "mla"``: the tiny DeepSeek (MLA, the ``CPU_MLA`` backend)
+instead of the tiny Llama; it runs without a device prefix cache.
 
     python run_offload.py '{"connector": true}'   # env: VLLM_KV_CACHE_LAYOUT
     python run_offload.py '{"connector": true, "fs_dir": "/tmp/kv"}'
@@ -99,9 +99,13 @@ def main(config: dict) -> dict:
             kv_role="kv_both",
             kv_connector_extra_config=extra_config(config),
         )
-    mla = config.get("model") == "mla"
-    engine_args = tiny_mla_engine_args if mla else tiny_engine_args
-    llm = LLM(**engine_args(kv_transfer_config=kv))
+    if config.get("model") == "mla":
+        # CPU_MLA: on CPUs with AMX tiles vLLM 0.32 would pick AMX_MLA,
+        # which keeps the device prefix cache on.
+        args = tiny_mla_engine_args(kv_transfer_config=kv, attention_backend="CPU_MLA")
+    else:
+        args = tiny_engine_args(kv_transfer_config=kv)
+    llm = LLM(**args)
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
 
     def run(batch: list[str] | None = None) -> list[dict]:
