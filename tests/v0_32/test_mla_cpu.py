@@ -27,8 +27,8 @@ of experts).
   cascade to the pool.  A fresh engine with empty host memory loads every
   hit from the pool, with the reference's tokens.
 
-Runtime: 6 engine runs plus transformers on 5 prompts; 11 minutes on 2
-cores shared with other jobs (load average about 20), 2 minutes of CPU.
+Runtime: 6 engine runs plus transformers on 5 prompts, about 2 minutes
+of CPU; 3.5 to 11 minutes of wall time here (2 cores shared with other jobs).
 """
 
 from __future__ import annotations
