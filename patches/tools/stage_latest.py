@@ -152,6 +152,8 @@ NOT_STAGED = {
     "patches/pp-kv-budget)",
     "offloading-connector": "wraps build_offloading_config as imported by "
     "offloading_connector.py (the pool tier's model config identity)",
+    "rotary-embedding": "wraps RotaryEmbedding.forward_cpu (the fix belongs "
+    "in the CPU kernel, csrc/cpu/pos_encoding.cpp)",
 }
 
 

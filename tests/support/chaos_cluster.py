@@ -1,4 +1,4 @@
-"""The chaos test's processes: a real redis-server (the pool), two vLLM
+"""The chaos test's processes: a real pool server (``kind``), two vLLM
 nodes that share it through ``SharedKVPoolConnector`` (signed: a shared
 secret file) and a stock vLLM node (no connector, overlay disabled) for
 the reference tokens.  Each node is its own process
@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from vllm_overlay.testing.redis import DEFAULT_KIND
 
 HERE = pathlib.Path(__file__).parent
 NODE_SCRIPT = HERE / "chaos_node.py"
@@ -150,11 +152,16 @@ class NodeProc:
 
 
 class Cluster:
-    """redis-server, the secret, two pool nodes and (``stock``) a stock
-    node.  A context manager: everything it started is stopped on exit."""
+    """The pool server (``kind``: vllm_overlay/testing/redis.py), the secret,
+    two pool nodes and (``stock``) a stock node.  A context manager:
+    everything it started is stopped on exit."""
 
     def __init__(
-        self, workdir: pathlib.Path, stock: bool = True, num_blocks: int = 48
+        self,
+        workdir: pathlib.Path,
+        stock: bool = True,
+        num_blocks: int = 48,
+        kind: str = DEFAULT_KIND,
     ) -> None:
         from support.redis_server import RedisServer
 
@@ -162,7 +169,7 @@ class Cluster:
         workdir.mkdir(parents=True, exist_ok=True)
         self.secret_file = workdir / "pool-secret"
         self.secret_file.write_text(os.urandom(32).hex())
-        self.server = RedisServer()
+        self.server = RedisServer(kind=kind)
         pool = {**POOL_OPTIONS, "secret_file": str(self.secret_file)}
         env = {
             "TORCHDYNAMO_DISABLE": "1",
@@ -170,7 +177,7 @@ class Cluster:
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             # One compute thread per engine: the 2 cores are shared by
-            # three engines, redis-server and the pool threads.
+            # three engines, the pool server and the pool threads.
             "OMP_NUM_THREADS": "1",
         }
         self.nodes = [

@@ -1,4 +1,4 @@
-"""The chaos test's fault injector: what it does to a real redis-server.
+"""The chaos test's fault injector: what it does to a real pool server.
 
 Timed faults (``begin`` ... ``end``): ``sigstop`` (SIGSTOP, then SIGCONT:
 the kernel still accepts connections, nothing answers), ``kill`` (SIGKILL,

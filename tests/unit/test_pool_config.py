@@ -107,8 +107,8 @@ def test_ssl_cert_reqs_none_warns_loudly_once(caplog):
     assert len(warnings) == 1
 
 
-def test_the_largest_ttl_is_accepted_by_redis():
-    with redis_server() as server:
+def test_the_largest_ttl_is_accepted_by_redis(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(PoolConfig(url=server.url, ttl_s=MAX_TTL_S))
         try:
             assert pool.submit_store([(b"t", b"v")]) == 1 and pool.drain()
@@ -128,8 +128,10 @@ def _probe(config: PoolConfig, caplog):
         pool.close()
 
 
-def test_cluster_true_against_a_plain_server_is_reported_and_disables(caplog):
-    with redis_server() as server:
+def test_cluster_true_against_a_plain_server_is_reported_and_disables(
+    server_kind, caplog
+):
+    with redis_server(kind=server_kind) as server:
         pool = _probe(PoolConfig(url=server.url, cluster=True), caplog)
         assert pool.server_is_cluster is False
         assert pool.misconfigured and "is not a cluster node" in pool.misconfigured
@@ -138,11 +140,11 @@ def test_cluster_true_against_a_plain_server_is_reported_and_disables(caplog):
         assert pool.is_down() and pool.count_hits([b"k"]) == 0  # no network
 
 
-def test_cluster_detection_at_startup_and_cluster_io(caplog):
-    with redis_server() as server:
+def test_cluster_detection_at_startup_and_cluster_io(server_kind, caplog):
+    with redis_server(kind=server_kind) as server:
         plain = _probe(PoolConfig(url=server.url), caplog)
     assert plain.server_is_cluster is False and plain.misconfigured is None
-    with redis_cluster(3) as servers:
+    with redis_cluster(3, kind=server_kind) as servers:
         ok = _probe(PoolConfig(url=servers[0].url, cluster=True), caplog)
         assert ok.server_is_cluster is True and ok.misconfigured is None
         wrong = _probe(PoolConfig(url=servers[0].url), caplog)

@@ -112,7 +112,9 @@ def test_only_the_scheduler_role_probes(overlay):
     assert not [m for m in records.messages if "cannot be reached" in m]
 
 
-def test_a_request_finished_while_its_load_is_under_way_keeps_its_blocks(overlay):
+def test_a_request_finished_while_its_load_is_under_way_keeps_its_blocks(
+    server_kind, overlay
+):
     """A real vLLM Scheduler with the pool connector: a request parked on a
     pool load is aborted; its blocks stay allocated (the load thread may
     still write them) until the worker reports it finished sending."""
@@ -127,7 +129,7 @@ def test_a_request_finished_while_its_load_is_under_way_keeps_its_blocks(overlay
 
     from vllm_overlay.core.pool.keys import pool_key
 
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         scheduler, request = sc.build(
             "SharedKVPoolConnector", {"url": server.url, "timeout_s": 2.0}
         )

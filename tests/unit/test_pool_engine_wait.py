@@ -125,13 +125,13 @@ def test_never_waits_once_a_load_landed_or_with_finished_requests(make):
     assert not waits_only_for_remote_kv(sched)
 
 
-def test_the_pool_wakes_a_waiting_engine_when_a_load_is_done():
+def test_the_pool_wakes_a_waiting_engine_when_a_load_is_done(server_kind):
     """``KVPool.wait_for_loads`` (the connector's hook) returns as soon as
     a load of any pool of the process is done, else after its timeout."""
     from vllm_overlay.core.pool.config import PoolConfig
     from vllm_overlay.core.pool.pool import KVPool
 
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         worker = KVPool(PoolConfig(url=server.url))
         scheduler_side = KVPool(PoolConfig(url=server.url), io_threads=False)
         try:

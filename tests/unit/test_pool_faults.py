@@ -259,8 +259,8 @@ def test_a_load_from_a_server_that_trickles_bytes_ends_at_its_deadline():
 
 
 # -- a job that raises ---------------------------------------------------------
-def test_a_job_that_raises_fails_only_itself_and_pauses_nothing():
-    with redis_server() as server:
+def test_a_job_that_raises_fails_only_itself_and_pauses_nothing(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(PoolConfig(url=server.url, **FAST))
         try:
             assert pool.submit_store([(b"a", b"1" * 64), (b"b", b"2" * 64)]) == 2
@@ -297,10 +297,10 @@ def test_a_job_that_raises_fails_only_itself_and_pauses_nothing():
             pool.close()
 
 
-def test_a_handler_that_raises_does_not_kill_its_thread(monkeypatch):
+def test_a_handler_that_raises_does_not_kill_its_thread(server_kind, monkeypatch):
     """An exception escaping a handler (here: the lookup handler itself) is
     logged; the thread takes the next job."""
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         server.cli("set", "k", "v")
         pool = KVPool(PoolConfig(url=server.url, **FAST), io_threads=False)
         real = pool._lookup
@@ -325,8 +325,8 @@ def test_a_handler_that_raises_does_not_kill_its_thread(monkeypatch):
 
 
 # -- a stuck thread --------------------------------------------------------------
-def test_a_stuck_load_thread_is_detected_and_the_pool_pauses_instead():
-    with redis_server() as server:
+def test_a_stuck_load_thread_is_detected_and_the_pool_pauses_instead(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(
             PoolConfig(url=server.url, io_timeout_s=1.0, **FAST), lookups=True
         )
@@ -364,8 +364,8 @@ def test_a_stuck_load_thread_is_detected_and_the_pool_pauses_instead():
 
 
 # -- bounds --------------------------------------------------------------------
-def test_a_value_longer_than_asked_for_is_never_allocated():
-    with redis_server() as server:
+def test_a_value_longer_than_asked_for_is_never_allocated(server_kind):
+    with redis_server(kind=server_kind) as server:
         server.cli("set", "big", "x" * 100_000)
         server.cli("set", "ok", "y" * 100)
         pool = KVPool(PoolConfig(url=server.url, **FAST))
@@ -391,11 +391,11 @@ def test_limits_smaller_than_one_value_are_refused_at_startup():
         pool.close()
 
 
-def test_the_lookup_queue_is_bounded(monkeypatch):
+def test_the_lookup_queue_is_bounded(server_kind, monkeypatch):
     from vllm_overlay.core.pool import pool as pool_module
 
     monkeypatch.setattr(pool_module, "MAX_QUEUED_LOOKUPS", 3)
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         server.pause()  # lookups pile up
         pool = KVPool(PoolConfig(url=server.url, **FAST), io_threads=False)
         try:
@@ -415,8 +415,8 @@ def test_tls_clients_check_the_host_name():
     assert off.client_kwargs()["ssl_check_hostname"] is False
 
 
-def test_cumulative_leaves_the_interval_to_take_stats():
-    with redis_server() as server:
+def test_cumulative_leaves_the_interval_to_take_stats(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(PoolConfig(url=server.url, **FAST))
         try:
             assert pool.submit_store([(b"a", b"1")]) == 1 and pool.drain()

@@ -131,12 +131,12 @@ def test_a_connection_closed_mid_value_and_a_broken_stream_raise():
         reader.reply()
 
 
-def test_the_pool_reads_values_into_place_and_reports_the_rest():
+def test_the_pool_reads_values_into_place_and_reports_the_rest(server_kind):
     """A real server: in-place values, a value of another length (bytes),
     a missing key and a WRONGTYPE key in one pipeline."""
     payload = bytes(range(256)) * 8
     keys = [b"a", b"short", b"missing", b"list", b"b"]
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(PoolConfig(url=server.url))
         try:
             values = [
@@ -176,12 +176,12 @@ def test_the_pool_reads_values_into_place_and_reports_the_rest():
             pool.close()
 
 
-def test_stores_send_header_and_payload_as_separate_buffers():
+def test_stores_send_header_and_payload_as_separate_buffers(server_kind):
     """The value stored is exactly header + payload, from two buffers;
     with a TTL too."""
     payload = memoryview(bytearray(b"p" * 10000))
     head = codec.encode_header(NS, b"k", payload, LAYOUT)
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(PoolConfig(url=server.url, ttl_s=100))
         done = []
         try:
@@ -286,7 +286,7 @@ def _until(predicate, timeout_s: float = 10.0):
 
 @pytest.mark.parametrize("layers", [1, 2], ids=["direct", "staged"])
 def test_blocks_round_trip_through_the_rings_without_allocating_staging(
-    monkeypatch, layers
+    server_kind, monkeypatch, layers
 ):
     """Worker A stores blocks step after step, worker B loads them into
     another cache: the bytes arrive, and after registration no staging
@@ -302,7 +302,7 @@ def test_blocks_round_trip_through_the_rings_without_allocating_staging(
         "_scatter",
         lambda self, *a: scatters.append(a) or real_scatter(self, *a),
     )
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         pool_a, pool_b = (KVPool(PoolConfig(url=server.url)) for _ in range(2))
         try:
             a, cache_a = _worker(pool_a, layers=layers)
@@ -352,8 +352,8 @@ def test_blocks_round_trip_through_the_rings_without_allocating_staging(
             pool_b.close()
 
 
-def test_a_corrupt_value_read_in_place_is_refused_and_deleted():
-    with redis_server() as server:
+def test_a_corrupt_value_read_in_place_is_refused_and_deleted(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool_a, pool_b = (KVPool(PoolConfig(url=server.url)) for _ in range(2))
         try:
             a, cache_a = _worker(pool_a, blocks=4)
@@ -378,12 +378,14 @@ def test_a_corrupt_value_read_in_place_is_refused_and_deleted():
 
 
 @pytest.mark.parametrize("layers", [1, 2], ids=["direct", "staged"])
-def test_a_request_finished_mid_load_is_released_only_after_the_load(layers):
+def test_a_request_finished_mid_load_is_released_only_after_the_load(
+    server_kind, layers
+):
     """The server holds the load back (CLIENT PAUSE); the request finishes
     meanwhile.  It is never reported as received, it is reported finished
     (sending: the scheduler then frees its blocks) only once the load
     thread is done with them, and a staged load is not scattered."""
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         pool_a, pool_b = (KVPool(PoolConfig(url=server.url)) for _ in range(2))
         try:
             a, cache_a = _worker(pool_a, blocks=4, layers=layers)

@@ -26,6 +26,7 @@ from vllm_overlay.core.pool import pool as pool_module  # noqa: E402
 from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
 from vllm_overlay.core.pool.errors import Failure, classify  # noqa: E402
 from vllm_overlay.core.pool.pool import KVPool  # noqa: E402
+from vllm_overlay.testing.redis import DEFAULT_KIND  # noqa: E402
 
 BLOCK = 4
 NS = b"n" * 16
@@ -145,18 +146,20 @@ def test_every_failure_named_in_the_issue_has_its_kind():
 
 
 @pytest.mark.parametrize("failure", ["hung", "slow", "unreachable"])
-def test_the_scheduler_never_waits_and_requests_recompute(failure):
+def test_the_scheduler_never_waits_and_requests_recompute(server_kind, failure):
     """Hung or unreachable from the start: the lookup thread's first
     connection fails (in the background), the pool pauses, every request
     is answered 0 at once.  Slow once connected: the first request waits
     at most lookup_wait_s (answered None: ask again), then computes without
     the pool; the pool pauses itself, and every later request is answered
     0 at once, without the network."""
+    if failure == "hung" and server_kind != DEFAULT_KIND:
+        pytest.skip("a hung server is a plain socket: no server kind")
     requests = [_request(i) for i in range(4)]
     if failure == "hung":
         ctx = hung_server()
     else:
-        ctx = redis_server("--enable-debug-command", "yes")
+        ctx = redis_server("--enable-debug-command", "yes", kind=server_kind)
     with ctx as server:
         url = server.url
         slow = None
@@ -199,9 +202,9 @@ def test_the_scheduler_never_waits_and_requests_recompute(failure):
                 slow.stop()
 
 
-def test_a_slow_pool_resumes_once_it_answers_in_time():
+def test_a_slow_pool_resumes_once_it_answers_in_time(server_kind):
     request = _request(0)
-    with redis_server("--enable-debug-command", "yes") as server:
+    with redis_server("--enable-debug-command", "yes", kind=server_kind) as server:
         _store_chain(server.url, request, 6)
         pool = _pool(server.url, io_threads=False)
         slow = SlowServer(server, 1.0)
@@ -228,11 +231,11 @@ def test_a_slow_pool_resumes_once_it_answers_in_time():
             pool.close()
 
 
-def test_a_hung_server_is_never_used_as_a_probe_and_resumes_after_sigcont():
+def test_a_hung_server_is_never_used_as_a_probe_and_resumes_after_sigcont(server_kind):
     """While paused, no lookup goes to the network; the health thread's
     PING brings the pool back once the server answers again."""
     request = _request(0)
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         _store_chain(server.url, request, 6)
         pool = _pool(server.url, io_threads=False)
         try:
@@ -262,6 +265,7 @@ def test_a_hung_server_is_never_used_as_a_probe_and_resumes_after_sigcont():
 
 
 def test_one_hung_cluster_node_pauses_the_pool_and_the_client_is_built_once(
+    server_kind,
     monkeypatch,
 ):
     builds = []
@@ -273,7 +277,7 @@ def test_one_hung_cluster_node_pauses_the_pool_and_the_client_is_built_once(
 
     monkeypatch.setattr(pool_module, "make_client", counting)
     requests = [_request(i, blocks=12) for i in range(30)]
-    with redis_cluster() as servers:
+    with redis_cluster(kind=server_kind) as servers:
         url = servers[0].url
         pool = _pool(url, io_threads=False, cluster=True)
         try:
@@ -306,8 +310,10 @@ def test_one_hung_cluster_node_pauses_the_pool_and_the_client_is_built_once(
             pool.close()
 
 
-def test_a_full_pool_pauses_writes_only():
-    with redis_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as s:
+def test_a_full_pool_pauses_writes_only(server_kind):
+    with redis_server(
+        "--maxmemory", "2mb", "--maxmemory-policy", "noeviction", kind=server_kind
+    ) as s:
         pool = _pool(s.url)
         try:
             assert pool.submit_store([(b"first", b"v")]) == 1 and pool.drain()
@@ -329,10 +335,12 @@ def test_a_full_pool_pauses_writes_only():
             pool.close()
 
 
-def test_a_read_only_replica_pauses_writes_only():
-    with redis_server() as primary:
+def test_a_read_only_replica_pauses_writes_only(server_kind):
+    with redis_server(kind=server_kind) as primary:
         primary.cli("set", "there", "v")
-        with redis_server("--replicaof", "127.0.0.1", str(primary.port)) as replica:
+        with redis_server(
+            "--replicaof", "127.0.0.1", str(primary.port), kind=server_kind
+        ) as replica:
             deadline = time.monotonic() + 10
             while replica.cli("get", "there") != "v":
                 assert time.monotonic() < deadline, "replica did not sync"
@@ -346,8 +354,8 @@ def test_a_read_only_replica_pauses_writes_only():
                 pool.close()
 
 
-def test_denied_writes_pause_long_and_reads_go_on():
-    with redis_server() as server:
+def test_denied_writes_pause_long_and_reads_go_on(server_kind):
+    with redis_server(kind=server_kind) as server:
         server.cli(
             "acl", "setuser", "reader", "on", ">secret-pw", "~*", "+@read", "+ping"
         )
@@ -362,8 +370,8 @@ def test_denied_writes_pause_long_and_reads_go_on():
             pool.close()
 
 
-def test_a_wrongtype_key_loses_its_block_only_and_is_deleted():
-    with redis_server() as server:
+def test_a_wrongtype_key_loses_its_block_only_and_is_deleted(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool = _pool(server.url)
         try:
             assert pool.submit_store([(b"a", b"1"), (b"c", b"3")]) == 2
@@ -381,14 +389,14 @@ def test_a_wrongtype_key_loses_its_block_only_and_is_deleted():
             pool.close()
 
 
-def test_stores_skip_values_the_pool_has_and_encode_on_the_store_thread():
+def test_stores_skip_values_the_pool_has_and_encode_on_the_store_thread(server_kind):
     encoded_on = []
 
     def encode(key, payload):
         encoded_on.append(threading.current_thread().name)
         return b"E" + bytes(payload)
 
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         pool = _pool(server.url)
         try:
             assert pool.submit_store([(b"a", b"1")], encode=encode) == 1

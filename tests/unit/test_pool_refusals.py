@@ -32,8 +32,8 @@ from vllm_overlay.connectors.shared_pool.common import (  # noqa: E402
 )
 
 
-def test_the_worker_names_refused_blocks_and_not_transient_ones():
-    with redis_server() as server:
+def test_the_worker_names_refused_blocks_and_not_transient_ones(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool = _pool(server.url)
         try:
             writer, cache = _worker(pool, blocks=8)
@@ -91,8 +91,8 @@ def _finish_load(scheduler, request, block_ids, invalid, refused, finish=True):
         scheduler.request_finished(request, block_ids)
 
 
-def test_only_integrity_refusals_are_remembered(overlay):
-    with redis_server() as server:
+def test_only_integrity_refusals_are_remembered(server_kind, overlay):
+    with redis_server(kind=server_kind) as server:
         pool = _pool(server.url, io_threads=False)
         try:
             scheduler = _scheduler(pool)
@@ -113,14 +113,14 @@ def test_only_integrity_refusals_are_remembered(overlay):
             pool.close()
 
 
-def test_a_request_never_loads_again_what_its_load_failed(overlay):
+def test_a_request_never_loads_again_what_its_load_failed(server_kind, overlay):
     """vLLM puts a request whose load failed back in the waiting queue and
     asks the connector again.  A transient failure (here an evicted key)
     must not be loaded again by the same request: it recomputes from its
     first failed block.  (Before, the lookup's answer was reused and the
     request loaded, failed and asked again in a loop: the chaos test saw
     2,155 loads of one request in 0.6 s.)  Another request asks again."""
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         pool = _pool(server.url, io_threads=False)
         try:
             scheduler = _scheduler(pool)

@@ -85,8 +85,8 @@ def test_secret_comes_from_a_file_or_the_environment(secret_file, monkeypatch):
         PoolConfig(url="redis://h", secret_env="VKV_TEST_SECRET")
 
 
-def _store_and_fetch(writer: PoolConfig, value_of) -> bytes:
-    with redis_server() as server:
+def _store_and_fetch(kind: str, writer: PoolConfig, value_of) -> bytes:
+    with redis_server(kind=kind) as server:
         pool = KVPool(PoolConfig(url=server.url))
         try:
             assert pool.submit_store([(b"k", value_of(writer))]) == 1
@@ -100,14 +100,16 @@ def _store_and_fetch(writer: PoolConfig, value_of) -> bytes:
 
 
 def test_signed_values_round_trip_and_everything_else_is_refused(
-    secret_file, monkeypatch
+    server_kind, secret_file, monkeypatch
 ):
     payload = bytes(range(256)) * 4
     signer = PoolConfig(url="redis://h", secret_file=secret_file)
     monkeypatch.setenv("VKV_OTHER", "another secret, also long enough")
     other = PoolConfig(url="redis://h", secret_env="VKV_OTHER")
     signed = _store_and_fetch(
-        signer, lambda c: codec.encode(NS, b"k", payload, LAYOUT, c.mac_key)
+        server_kind,
+        signer,
+        lambda c: codec.encode(NS, b"k", payload, LAYOUT, c.mac_key),
     )
     unsigned = codec.encode(NS, b"k", payload, LAYOUT)
     # Same secret: loads.
@@ -229,9 +231,11 @@ def _write(server, items) -> None:
         pool.close()
 
 
-def test_signing_worker_deletes_values_its_secret_did_not_sign(secret_file, caplog):
+def test_signing_worker_deletes_values_its_secret_did_not_sign(
+    server_kind, secret_file, caplog
+):
     payload = b"p" * 32
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         signing = KVPool(PoolConfig(url=server.url, secret_file=secret_file))
         try:
             worker = _worker(signing, len(payload))
@@ -263,7 +267,7 @@ def test_signing_worker_deletes_values_its_secret_did_not_sign(secret_file, capl
             signing.close()
 
 
-def test_an_honest_store_replaces_a_refused_value(secret_file):
+def test_an_honest_store_replaces_a_refused_value(server_kind, secret_file):
     """A forged value under a signing node's key is refused and deleted;
     the block, recomputed, is stored by the same worker (its delete and its
     store are ordered: the store's EXISTS does not see the forgery), and
@@ -272,7 +276,7 @@ def test_an_honest_store_replaces_a_refused_value(secret_file):
 
     payload = bytes(range(32))
     chain = [b"\x01" * 8]
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         config = PoolConfig(url=server.url, secret_file=secret_file)
         signing, reader = KVPool(config), KVPool(config)
         try:
@@ -301,7 +305,7 @@ def test_an_honest_store_replaces_a_refused_value(secret_file):
             reader.close()
 
 
-def test_refused_bytes_read_into_a_kv_block_are_wiped(secret_file):
+def test_refused_bytes_read_into_a_kv_block_are_wiped(server_kind, secret_file):
     """On CPU a value is read straight into its KV block and checked after.
     A refused one (here all NaN, under a checksum that does not match, and
     unsigned NaN under a valid checksum) must not stay there: vLLM may free
@@ -312,7 +316,7 @@ def test_refused_bytes_read_into_a_kv_block_are_wiped(secret_file):
     block = 64
     nan = torch.full((block // 4,), float("nan")).view(torch.uint8).numpy().tobytes()
     good_payload = bytes(range(block))
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         signing = KVPool(PoolConfig(url=server.url, secret_file=secret_file))
         try:
             worker = _worker(signing, block)
@@ -341,8 +345,10 @@ def test_refused_bytes_read_into_a_kv_block_are_wiped(secret_file):
             signing.close()
 
 
-def test_long_store_batch_is_admitted_block_by_block_in_prefix_order(caplog):
-    with redis_server() as server:
+def test_long_store_batch_is_admitted_block_by_block_in_prefix_order(
+    server_kind, caplog
+):
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(PoolConfig(url=server.url, max_inflight_bytes=1000))
         try:
             items = [(b"b%d" % i, b"v" * 300) for i in range(5)]
@@ -364,8 +370,8 @@ def test_long_store_batch_is_admitted_block_by_block_in_prefix_order(caplog):
             pool.close()
 
 
-def test_a_block_after_one_that_does_not_fit_is_not_stored():
-    with redis_server() as server:
+def test_a_block_after_one_that_does_not_fit_is_not_stored(server_kind):
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(PoolConfig(url=server.url, max_inflight_bytes=1000))
         try:
             items = [(b"a", b"1" * 100), (b"b", b"2" * 950), (b"c", b"3" * 10)]
@@ -375,10 +381,10 @@ def test_a_block_after_one_that_does_not_fit_is_not_stored():
             pool.close()
 
 
-def test_loads_are_bounded_and_the_rest_is_reported_for_recompute():
+def test_loads_are_bounded_and_the_rest_is_reported_for_recompute(server_kind):
     payload = b"q" * 200
     value_bytes = len(payload) + codec.HEADER_BYTES
-    with redis_server() as server:
+    with redis_server(kind=server_kind) as server:
         pool = KVPool(
             PoolConfig(
                 url=server.url,

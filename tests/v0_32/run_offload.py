@@ -17,6 +17,8 @@ DIR holds ``"fs_files"`` block files and reports how many it holds.
 Redis/Valkey pool) as the secondary tier; the runner waits until the pool
 holds ``"pool_values"`` values and reports how many it holds.
 ``"passes"``: which passes to run (default all three, in order).
+``"model": "mla"``: the tiny DeepSeek (MLA, the ``CPU_MLA`` backend)
+instead of the tiny Llama; it runs without a device prefix cache.
 
     python run_offload.py '{"connector": true}'   # env: VLLM_KV_CACHE_LAYOUT
     python run_offload.py '{"connector": true, "fs_dir": "/tmp/kv"}'
@@ -34,7 +36,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 from result_out import records  # noqa: E402
 from run_llm import prompts  # noqa: E402
 
-from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
+from vllm_overlay.testing import (  # noqa: E402
+    cpu_defaults,
+    tiny_engine_args,
+    tiny_mla_engine_args,
+)
 from vllm_overlay.testing.v0_32 import CPU_BYTES  # noqa: E402
 from vllm_overlay.testing.v0_32 import connector_info as worker_info  # noqa: E402
 
@@ -93,7 +99,13 @@ def main(config: dict) -> dict:
             kv_role="kv_both",
             kv_connector_extra_config=extra_config(config),
         )
-    llm = LLM(**tiny_engine_args(kv_transfer_config=kv))
+    if config.get("model") == "mla":
+        # CPU_MLA: on CPUs with AMX tiles vLLM 0.32 would pick AMX_MLA,
+        # which keeps the device prefix cache on.
+        args = tiny_mla_engine_args(kv_transfer_config=kv, attention_backend="CPU_MLA")
+    else:
+        args = tiny_engine_args(kv_transfer_config=kv)
+    llm = LLM(**args)
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
 
     def run(batch: list[str] | None = None) -> list[dict]:

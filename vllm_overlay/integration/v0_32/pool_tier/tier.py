@@ -60,6 +60,12 @@ from vllm_overlay.integration.v0_32.pool_tier.lookups import PoolLookups
 logger = logging.getLogger("vllm.overlay")
 
 _VERDICT = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
+# While the pool works for a waiting request, the engine steps without
+# pause and holds the interpreter; the pool's threads then get it back only
+# at Python's switch interval (5 ms) per read.  At the end of such a step
+# the scheduler lets them run for at most this long (a wait on an event of
+# this process, set when a load is done: never on the network).
+YIELD_S = 0.0005
 
 
 class SharedPoolTier(SecondaryTierManager):
@@ -133,6 +139,8 @@ class SharedPoolTier(SecondaryTierManager):
 
     def on_schedule_end(self, context) -> None:
         self._lookups.flush()
+        if self._loads or self._lookups.pending():
+            self.pool.wait_for_loads(YIELD_S)
 
     def has_pending_work(self) -> bool:
         return self._lookups.pending() or bool(self._loads) or self._stores_open > 0
