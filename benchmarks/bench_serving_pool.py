@@ -11,7 +11,8 @@ Configurations, measured in one run, their order rotated each repeat:
       prefix cache);
 * (c) round-robin + the pool tier: upstream's ``TieringOffloadingSpec``
       with a small CPU primary tier (only the staging area the spec goes
-      through) and the overlay's ``SharedPoolTier`` on a redis-server;
+      through) and the overlay's ``SharedPoolTier`` on a pool server
+      (valkey-server by default, ``--server redis``);
 * (d) round-robin + host + pool tiers (a large primary tier);
 * (e) ``--with-0112``: (d) on vLLM 0.11.2, ``MultiConnector`` of the
       overlay's host connector and its pool connector.

@@ -7,9 +7,8 @@ from where each configuration says: (a) and (b) no connector, so device
 hits only; (b), sticky, gets exactly the ideal router's hits from the
 device cache; (c), round-robin + the pool tier, gets pool hits on each node
 that served a turn whose previous turn ran on the other node.  The pool
-tier (vllm_overlay.integration.v0_32.pool_tier) on a redis-server; where
-that module is not there yet, upstream's fs tier in its place (the same
-tiered plumbing, a shared folder for the pool).
+tier (vllm_overlay.integration.v0_32.pool_tier) on a pool server (Valkey
+by default).
 """
 
 from __future__ import annotations
@@ -17,17 +16,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-HAS_POOL_TIER = (
-    importlib.util.find_spec("vllm_overlay.integration.v0_32.pool_tier") is not None
-)
-SECONDARY = "pool" if HAS_POOL_TIER else "fs"
 COLUMNS = [
     "config",
     "routing / KV tiers",
@@ -50,16 +44,16 @@ COLUMNS = [
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    if SECONDARY == "pool" and shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not on PATH")
+    from vllm_overlay.testing.redis import missing_server
+
+    if missing_server():
+        pytest.skip(missing_server())
     tmp = tmp_path_factory.mktemp("serving")
     proc = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "bench_serving_pool.py"),
             "--smoke",
-            "--secondary",
-            SECONDARY,
             "--json",
             str(tmp / "out.json"),
         ],
@@ -84,7 +78,7 @@ def test_the_table_has_a_row_per_configuration(smoke):
         assert float(row[2]) > 0 and float(row[4]) > 0, row  # TTFT, req/s
         assert row[-1] == "0", row  # no failed request
     assert not result["problems"]
-    assert result["meta"]["secondary"] == SECONDARY
+    assert result["meta"]["secondary"] == "pool"
     if importlib.util.find_spec("matplotlib") is not None:
         png = tmp / "out.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
