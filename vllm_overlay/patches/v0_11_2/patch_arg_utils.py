@@ -26,7 +26,7 @@ def from_cli_args(cls, args):
 
 def create_engine_config(self, *args, **kwargs):
     config = REGISTRY.original("PP-03")(self, *args, **kwargs)
-    pp_kv.validate(config)
+    pp_kv.validate_pp_kv_budget(config)
     return config
 
 

@@ -11,24 +11,33 @@ starts.
 """
 
 from vllm_overlay.core.patching import REGISTRY, Patch
-from vllm_overlay.integration import pp_kv
 
 MODULE = "vllm.engine.arg_utils"
 
 
+# Each wrapper calls upstream's function, then the overlay's step
+# (``patches/latest`` renders the step at the end of upstream's body).
 @staticmethod
 def add_cli_args(parser):
-    return pp_kv.add_cli_flag(REGISTRY.original("PP32-01")(parser))
+    parser = REGISTRY.original("PP32-01")(parser)
+    from vllm_overlay.integration.pp_kv import add_cli_flag
+
+    return add_cli_flag(parser)
 
 
 @classmethod
 def from_cli_args(cls, args):
-    return pp_kv.carry_cli_flag(REGISTRY.original("PP32-02").__func__(cls, args), args)
+    engine_args = REGISTRY.original("PP32-02").__func__(cls, args)
+    from vllm_overlay.integration.pp_kv import carry_cli_flag
+
+    return carry_cli_flag(engine_args, args)
 
 
 def create_engine_config(self, *args, **kwargs):
     config = REGISTRY.original("PP32-03")(self, *args, **kwargs)
-    pp_kv.validate(config)
+    from vllm_overlay.integration.pp_kv import validate_pp_kv_budget
+
+    validate_pp_kv_budget(config)
     return config
 
 
