@@ -88,7 +88,7 @@ import sys
 import tempfile
 import time
 
-from vllm_overlay.testing.forked import fork_child
+from vllm_overlay.testing.forked import fork_child, log_tail
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -330,10 +330,7 @@ class Engine:
         return reply["result"]
 
     def _failure(self, what: str) -> str:
-        try:
-            tail = pathlib.Path(self.log_path).read_text()[-3000:]
-        except OSError:
-            tail = ""
+        tail = log_tail(self.log_path)
         return f"engine {self.name}: {what} (log {self.log_path}):\n{tail}"
 
     def wait_ready(self) -> None:

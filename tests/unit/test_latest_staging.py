@@ -188,6 +188,13 @@ def no_return(self, kv_caches):
 """
 
 
+def worker_body(name: str, upstream: str = UPSTREAM) -> str:
+    """``Spec.get_worker`` after its signature, rendered from NAME."""
+    text = render_patch.edit(upstream, "Spec.get_worker", PATCH, name)
+    assert "REGISTRY" not in text
+    return text.split("def get_worker(self, kv_caches: list) -> object:\n")[1]
+
+
 def test_a_body_is_replaced_under_upstreams_signature():
     text = render_patch.edit(UPSTREAM, "Spec.layouts", PATCH, "layouts")
     assert textwrap.dedent("""\
@@ -204,8 +211,7 @@ def test_a_fallback_keeps_upstreams_body_on_its_path():
     """``if COND: return REGISTRY.original(...)`` -> the patch's path under
     ``if not COND``, then upstream's body unchanged; runtime-only lines and
     imports upstream has at top level dropped."""
-    text = render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "get_worker")
-    body = text.split("def get_worker(self, kv_caches: list) -> object:\n")[1]
+    body = worker_body("get_worker")
     assert body == (
         '        """Upstream\'s docstring."""\n'
         "        if current_platform.is_cpu():\n"
@@ -216,7 +222,7 @@ def test_a_fallback_keeps_upstreams_body_on_its_path():
         "            self._worker = make(kv_caches)\n"
         "        return self._worker\n"
     )
-    assert "REGISTRY" not in text and "record_call" not in text
+    assert "record_call" not in body
 
 
 def test_a_target_upstream_lacks_is_added_to_its_class():
@@ -253,8 +259,7 @@ def test_a_wrappers_steps_after_the_call_replace_upstreams_return():
     """``NAME = REGISTRY.original(...)(params)``, steps, ``return``: the
     steps replace upstream's last (and only) return, NAME bound to what
     upstream returned; imports upstream has at top level dropped."""
-    text = render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "wrapper")
-    body = text.split("def get_worker(self, kv_caches: list) -> object:\n")[1]
+    body = worker_body("wrapper")
     assert body == (
         '        """Upstream\'s docstring."""\n'
         "        if not self._worker:\n"
@@ -273,23 +278,20 @@ def test_a_wrappers_steps_after_the_call_replace_upstreams_return():
     named = UPSTREAM.replace(
         "        return self._worker\n", "        w = self._worker\n        return w\n"
     )
-    text = render_patch.edit(named, "Spec.get_worker", PATCH, "wrapper")
-    assert (
+    assert worker_body("wrapper", named).endswith(
         "        w = self._worker\n"
         "        check(w, current_platform)\n"
-        "        return w\n" in text
+        "        return w\n"
     )
 
 
 def test_a_wrappers_steps_before_the_call_open_upstreams_body():
-    text = render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "prelude")
-    body = text.split("def get_worker(self, kv_caches: list) -> object:\n")[1]
+    body = worker_body("prelude")
     assert body.startswith(
         '        """Upstream\'s docstring."""\n'
         "        kv_caches = pinned(kv_caches)\n"
         "        if not self._worker:\n"
     )
-    assert "REGISTRY" not in text
 
 
 def test_a_function_imported_into_the_patched_module_is_edited_where_defined():

@@ -8,7 +8,7 @@ import os
 import pathlib
 import time
 
-from vllm_overlay.testing.forked import fork_child
+from vllm_overlay.testing.forked import fork_child, log_tail
 
 
 def wait_for(path: str, timeout_s: float = 300.0) -> None:
@@ -68,10 +68,7 @@ class NodeProcess:
             time.sleep(0.05)
 
     def _failure(self, what: str) -> str:
-        try:
-            tail = pathlib.Path(self.log_path).read_text()[-3000:]
-        except OSError:
-            tail = ""
+        tail = log_tail(self.log_path)
         return f"{self.name} engine {what} (log {self.log_path}):\n{tail}"
 
     def wait_ready(self, timeout_s: float = 300) -> None:

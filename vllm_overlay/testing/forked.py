@@ -8,6 +8,7 @@ CPU), so the child only builds its engine.
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 from collections.abc import Callable
 
@@ -37,3 +38,11 @@ def fork_child(body: Callable[[], None], log_path: str) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def log_tail(path: str, chars: int = 3000) -> str:
+    """The end of a child's log ("" if it has none): for its failure."""
+    try:
+        return pathlib.Path(path).read_text()[-chars:]
+    except OSError:
+        return ""
