@@ -232,27 +232,28 @@ def test_a_target_upstream_lacks_is_added_to_its_class():
     )
 
 
-def test_what_does_not_follow_the_convention_is_refused():
-    with pytest.raises(render_patch.RenderError, match="parameters"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "bad")
-    with pytest.raises(render_patch.RenderError, match="must end in return"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "no_return")
-    with pytest.raises(render_patch.RenderError, match="through"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "not_passed_through")
-    with pytest.raises(render_patch.RenderError, match="REGISTRY other than"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "twice")
-    with pytest.raises(render_patch.RenderError, match="does not take"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "foreign")
-    two_returns = UPSTREAM.replace(
-        "            self._worker = make(kv_caches)\n",
-        "            return make(kv_caches)\n",
-    )
-    with pytest.raises(render_patch.RenderError, match="only return"):
-        render_patch.edit(two_returns, "Spec.get_worker", PATCH, "wrapper")
-    with pytest.raises(render_patch.RenderError, match="no class"):
-        render_patch.edit(UPSTREAM, "Other.get_worker", PATCH, "get_worker")
-    with pytest.raises(render_patch.RenderError, match="no top-level def"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "missing")
+TWO_RETURNS = UPSTREAM.replace(
+    "            self._worker = make(kv_caches)\n",
+    "            return make(kv_caches)\n",
+)
+
+
+@pytest.mark.parametrize(
+    "upstream, target, name, error",
+    [
+        (UPSTREAM, "Spec.get_worker", "bad", "parameters"),
+        (UPSTREAM, "Spec.get_worker", "no_return", "must end in return"),
+        (UPSTREAM, "Spec.get_worker", "not_passed_through", "through"),
+        (UPSTREAM, "Spec.get_worker", "twice", "REGISTRY other than"),
+        (UPSTREAM, "Spec.get_worker", "foreign", "does not take"),
+        (TWO_RETURNS, "Spec.get_worker", "wrapper", "only return"),
+        (UPSTREAM, "Other.get_worker", "get_worker", "no class"),
+        (UPSTREAM, "Spec.get_worker", "missing", "no top-level def"),
+    ],
+)
+def test_what_does_not_follow_the_convention_is_refused(upstream, target, name, error):
+    with pytest.raises(render_patch.RenderError, match=error):
+        render_patch.edit(upstream, target, PATCH, name)
 
 
 def test_a_wrappers_steps_after_the_call_replace_upstreams_return():
