@@ -96,6 +96,8 @@ import sys
 import tempfile
 import time
 
+from vllm_overlay.testing.forked import fork_child, log_tail
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -316,34 +318,17 @@ class Engine:
         self.log_path = os.path.join(workdir, f"{name}.log")
         cmd_r, cmd_w = os.pipe()
         res_r, res_w = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child never returns from here
-            code = 1
-            try:
-                os.close(cmd_w)
-                os.close(res_r)
-                log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT, 0o644)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                with (
-                    os.fdopen(cmd_r) as rfile,
-                    os.fdopen(res_w, "w") as wfile,
-                ):
-                    child = (server or EngineServer)(spec)
-                    wfile.write(json.dumps({"ok": True, "result": "ready"}) + "\n")
-                    wfile.flush()
-                    serve(child, rfile, wfile)
-                code = 0
-            except BaseException:  # noqa: BLE001
-                import traceback
 
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)  # no vLLM teardown, no parent atexit hooks
+        def child() -> None:
+            os.close(cmd_w)
+            os.close(res_r)
+            with os.fdopen(cmd_r) as rfile, os.fdopen(res_w, "w") as wfile:
+                server_ = (server or EngineServer)(spec)
+                wfile.write(json.dumps({"ok": True, "result": "ready"}) + "\n")
+                wfile.flush()
+                serve(server_, rfile, wfile)
+
+        self.pid = fork_child(child, self.log_path)
         os.close(cmd_r)
         os.close(res_w)
         self.wfile = os.fdopen(cmd_w, "w")
@@ -359,10 +344,7 @@ class Engine:
         return reply["result"]
 
     def _failure(self, what: str) -> str:
-        try:
-            tail = pathlib.Path(self.log_path).read_text()[-3000:]
-        except OSError:
-            tail = ""
+        tail = log_tail(self.log_path)
         return f"engine {self.name}: {what} (log {self.log_path}):\n{tail}"
 
     def wait_ready(self) -> None:

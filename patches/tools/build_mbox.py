@@ -189,7 +189,7 @@ LATEST = Staging(
     stage_latest.LATEST_VERSION,
     stage_latest.OUT,
     stage_latest.series_names(),
-    {name: [] for name in stage_latest.series_names()},  # independent
+    stage_latest.depends(),
     stage_latest.commits(),
     committed=False,
 )

@@ -17,10 +17,24 @@ The convention a patch module follows so its edit renders (checked here;
   around the rest of the body (which must end with ``return`` or ``raise``),
   followed by upstream's own body unchanged: on the paths the fallback took,
   upstream's code runs as before.
+* A wrapper, whose one top-level statement calling upstream's function
+  (``REGISTRY.original(ID)(...)`` or ``REGISTRY.original_of(NEW)(...)``,
+  or with ``.__func__(cls, ...)``) passes the
+  wrapper's own parameters through in order, renders as upstream's body with
+  the wrapper's steps written into it:
+
+  - ``return REGISTRY.original(ID)(...)`` last: the statements before it
+    go at the top of upstream's body (after its docstring);
+  - ``NAME = REGISTRY.original(ID)(...)``, then statements ending in
+    ``return``: those statements replace upstream's ``return X``, which
+    must be the last statement of its body and its only ``return`` (``NAME``
+    is renamed to ``X`` where ``X`` is a name, else ``NAME = X`` first).
+
+  Only parameters upstream has (by name) may be used by the wrapper's own
+  statements; upstream's signature is kept.
 * An import at the top level of the body whose names the upstream module
   already imports at its top level is dropped.
-* Any other use of ``REGISTRY`` (a wrapper that calls upstream's function
-  mid-body) does not render: refused.
+* Any other use of ``REGISTRY`` does not render: refused.
 
 Names (the overlay's modules and messages) are rewritten by the caller.
 """
@@ -113,7 +127,7 @@ def _is_fallback(node: ast.stmt) -> bool:
         and isinstance(call, ast.Call)
         and isinstance(call.func, ast.Call)
         and isinstance(call.func.func, ast.Attribute)
-        and call.func.func.attr == "original"
+        and call.func.func.attr in ("original", "original_of")
         and getattr(call.func.func.value, "id", None) == "REGISTRY"
     )
 
@@ -192,6 +206,13 @@ def edit(upstream: str, target: str, source: str, name: str) -> str:
     tree = ast.parse(upstream)
     lines = upstream.splitlines(keepends=True)
     cls, node = _find(tree, target)
+    import render_wrapper
+
+    wrapper = render_wrapper.wrapper_body(source, name, _top_imports(tree))
+    if wrapper is not None:
+        if node is None:
+            raise RenderError(f"{target}: upstream has no such function to wrap")
+        return render_wrapper.edit_wrapped(lines, node, wrapper, target)
     doc, before, test, after = patch_body(source, name, _top_imports(tree))
     patch_func = _def(ast.parse(RUNTIME_ONLY.sub("", source)), name)
     if node is None:
@@ -229,3 +250,41 @@ def edit(upstream: str, target: str, source: str, name: str) -> str:
         body += f"{indent}if {test}:\n" + textwrap.indent(after, indent + "    ")
         body += original
     return "".join(lines[: start - 1]) + body + "".join(lines[node.end_lineno :])
+
+
+def imported_from(upstream: str, target: str, path: str) -> str | None:
+    """The module a top-level ``from M import TARGET`` of UPSTREAM (the file
+    PATH) takes TARGET from, when UPSTREAM does not define it; else None."""
+    if "." in target:
+        return None
+    tree = ast.parse(upstream)
+    for node in tree.body:
+        if (
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and node.name == target
+        ):
+            return None
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(
+            (a.asname or a.name) == target and a.name == target for a in node.names
+        ):
+            package = path.removesuffix(".py").split("/")[:-1]
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                return ".".join(base + ([node.module] if node.module else []))
+            return node.module
+    return None
+
+
+def calls(text: str, name: str) -> bool:
+    """Whether the code TEXT calls NAME (a name or an attribute)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if getattr(func, "id", None) == name or getattr(func, "attr", None) == name:
+                return True
+    return False

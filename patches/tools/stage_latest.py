@@ -69,6 +69,11 @@ MODULES = {
     "vllm_overlay.integration.v0_32.offload_worker": (
         "vllm.v1.kv_offload.cpu.cpu_platform_worker"
     ),
+    # the PP KV budget: the split, the flag (option, validation, per-stage
+    # budgets), the engine core's split of the workers' KV memory
+    "vllm_overlay.core.pp_budget": "vllm.v1.core.pp_kv_budget",
+    "vllm_overlay.integration.pp_kv": "vllm.v1.core.pp_kv_budget_flag",
+    "vllm_overlay.integration.v0_32.pp_kv": "vllm.v1.core.pp_kv_budget_split",
 }
 # the overlay's name in messages and thread names -> vLLM's (after
 # generate.OVERLAY_NAMES); a name left is an error (check_upstream.IDENTITY)
@@ -76,6 +81,7 @@ NAMES = [
     ("vllm-overlay CPU offloading", "CPU offloading"),
     ('name="vllm-overlay-offload"', 'name="kv-offload-cpu"'),
     ("vllm-overlay: ", ""),
+    ("(vllm-overlay) ", ""),
     ("``core/ops``' DMA path", "the DMA path of ``block_copy``"),
     ("on ``core/ops``", "on ``block_copy``"),
     ("by core/ops dma", "by block_copy's dma path"),
@@ -108,6 +114,32 @@ COMMIT_TEXT: dict[str, tuple[str, str]] = {
         "cpu_bytes_to_use sizing are unchanged. TieringOffloadingSpec is\n"
         "refused on CPU with a clear error (its primary tier is read through\n"
         "a shared region).",
+    ),
+    "arg-utils": (
+        "[Core] --enable-pp-prop-kv-cache: one KV budget for the pipeline",
+        "With pipeline parallelism every stage gets the whole\n"
+        "--kv-cache-memory-bytes and the engine keeps the smallest stage's\n"
+        "block count, so with an uneven layer partition the stage with more\n"
+        "layers sets the blocks. --enable-pp-prop-kv-cache (carried in\n"
+        'additional_config["enable_pp_prop_kv_cache"], which reaches the\n'
+        "engine core; LLM(additional_config=...) sets it too) makes the\n"
+        "budget the whole pipeline's, split by layers. create_engine_config\n"
+        "rejects a bad configuration before any engine process starts: no\n"
+        "budget, a VLLM_PP_LAYER_PARTITION that does not split the model,\n"
+        "less than one block on a stage. The split itself is the next commit.\n"
+        "\n"
+        "As proposed in PR #25164.",
+    ),
+    "engine-core": (
+        "[Core] Size each PP stage's KV cache by its share of the budget",
+        "With --enable-pp-prop-kv-cache, get_kv_cache_configs sizes each\n"
+        "worker with its stage's share of --kv-cache-memory-bytes by layers\n"
+        "(less what the worker kept back from the budget), so every stage\n"
+        "fits the same number of blocks and none is left unused. A worker's\n"
+        "stage comes from the layers in its KV specs. Without the flag\n"
+        "nothing changes.\n"
+        "\n"
+        "As proposed in PR #25164.",
     ),
 }
 
@@ -143,13 +175,9 @@ class Staged:
 
 
 # Patch modules of the set that are not staged (series name -> why): their
-# patches wrap upstream's function (call it mid-body), which render_patch
-# cannot turn into an edit of upstream's code.
+# wrappers are not of the forms render_wrapper.py turns into an edit of
+# upstream's function.
 NOT_STAGED = {
-    "arg-utils": "wraps EngineArgs.add_cli_args/from_cli_args/"
-    "create_engine_config (the 0.11.2 form is patches/pp-kv-budget)",
-    "engine-core": "wraps get_kv_cache_configs (the 0.11.2 form is "
-    "patches/pp-kv-budget)",
     "offloading-connector": "wraps build_offloading_config as imported by "
     "offloading_connector.py (the pool tier's model config identity)",
     "rotary-embedding": "wraps RotaryEmbedding.forward_cpu (the fix belongs "
@@ -174,11 +202,36 @@ def series_names() -> list[str]:
     return [series_name(m) for m in patch_modules()]
 
 
+def depends() -> dict[str, list[str]]:
+    """series -> the earlier series that add new files it needs."""
+    out, added = {}, {}
+    for module in patch_modules():
+        series = series_name(module)
+        needs = new_modules(module)
+        out[series] = sorted({added[m] for m in needs if m in added})
+        for m in needs:
+            added.setdefault(m, series)
+    return out
+
+
+def _from_package(match: re.Match) -> str:
+    """``from PACKAGE import MODULE`` of an overlay module, with its
+    upstream package and name (``as`` the overlay's name if it differs)."""
+    indent, package, name = match.groups()
+    upstream = MODULES.get(f"{package}.{name}")
+    if upstream is None:
+        return match.group(0)
+    parent, _, last = upstream.rpartition(".")
+    alias = "" if last == name else f" as {name}"
+    return f"{indent}from {parent} import {last}{alias}"
+
+
 def rename(text: str) -> str:
     """TEXT with the overlay's module, class and message names upstream's."""
     text = generate.RUNTIME_ONLY.sub("", text)
     for ours, theirs in generate.CLASS_NAMES:
         text = re.sub(rf"\b{ours}\b", theirs, text)
+    text = re.sub(r"^(\s*)from ([\w.]+) import (\w+)$", _from_package, text, flags=re.M)
     for ours in sorted(MODULES, key=len, reverse=True):
         text = re.sub(rf"\b{re.escape(ours)}\b", MODULES[ours], text)
     for ours, theirs in generate.OVERLAY_NAMES + NAMES:
@@ -217,6 +270,36 @@ def upstream_file(module: str) -> str:
     return path + ("/__init__.py" if is_package else ".py")
 
 
+def edited_file(root: pathlib.Path, patch) -> str:
+    """The upstream file whose code the patch's edit changes: its module's,
+    or, for a function that module imports from another (the runtime
+    replaces the imported name), the defining module's, when the patched
+    module is the only one that calls it (so the edit changes no other
+    caller)."""
+    tree = static_imports.Tree(root, {})
+    path = tree.module_path(patch.module)
+    if path is None:
+        raise SystemExit(f"vLLM {LATEST_VERSION} has no module {patch.module}")
+    defined = render_patch.imported_from(tree.text(path), patch.target, path)
+    if defined is None:
+        return path
+    source = tree.module_path(defined)
+    if source is None:
+        raise SystemExit(f"{patch.id}: vLLM {LATEST_VERSION} has no {defined}")
+    callers = sorted(
+        str(f.relative_to(root))
+        for f in (root / "vllm").rglob("*.py")
+        if str(f.relative_to(root)) not in (path, source)
+        and render_patch.calls(f.read_text(), patch.target)
+    )
+    if callers:
+        raise SystemExit(
+            f"{patch.id}: {patch.target} is imported into {path} from {source}, "
+            f"whose edit would also change its callers {callers}"
+        )
+    return source
+
+
 def diff_name(number: int, path: str) -> str:
     stem = path.removeprefix("vllm/").removesuffix(".py").removesuffix("/__init__")
     return f"{number:04d}-{stem.replace('/', '-')}.patch"
@@ -238,12 +321,9 @@ def stage(root: pathlib.Path, ruff: latest_verify.Ruff) -> list[Staged]:
             items.append(Staged("", path, overlay, True, text, ""))
         by_file: dict[str, list] = {}
         for patch in module.PATCHES:
-            by_file.setdefault(patch.module, []).append(patch)
+            by_file.setdefault(edited_file(root, patch), []).append(patch)
         source = rename(pathlib.Path(module.__file__).read_text())
-        for target, patches in by_file.items():
-            path = static_imports.Tree(root, {}).module_path(target)
-            if path is None:
-                raise SystemExit(f"vLLM {LATEST_VERSION} has no module {target}")
+        for path, patches in by_file.items():
             old = (root / path).read_text()
             text = old
             for patch in patches:
@@ -311,9 +391,12 @@ def render(root: pathlib.Path, staged: list[Staged]) -> dict[str, str]:
             ids = ", ".join(p.id for p in module.PATCHES)
             lines.append(f"# {series}: {ids}: not staged: {NOT_STAGED[series]}")
             continue
+        needs = depends()[series]
         mine = [s for s in staged if s.name.startswith(series + "/")]
         ids = ", ".join(p.id for p in module.PATCHES)
         lines.append(f"# {series}: {ids} ({module.__name__})")
+        if needs:
+            lines.append(f"#   applies after {', '.join(needs)} (new files it adds)")
         moved = sorted(touched(root, module) & set(differs))
         if moved:
             lines.append(

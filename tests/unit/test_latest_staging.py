@@ -73,10 +73,12 @@ def test_one_series_per_v0_32_patch_module_in_order():
     from vllm_overlay.patches import v0_32
 
     named = [stage_latest.series_name(m) for m in v0_32.MODULES]
-    assert groups == [n for n in named if n not in stage_latest.NOT_STAGED]
+    assert groups == named  # every patch module is staged
     series = (LATEST / "series").read_text()
-    for name in stage_latest.NOT_STAGED:  # listed with the reason
-        assert f"# {name}: " in series and "not staged: " in series
+    # engine-core needs the budget modules arg-utils adds
+    assert stage_latest.depends()["engine-core"] == ["arg-utils"]
+    assert "# engine-core: PP32-04" in series
+    assert "#   applies after arg-utils (new files it adds)" in series
     assert stage_latest.LATEST_VERSION in (LATEST / "README.md").read_text()
 
 
@@ -146,6 +148,36 @@ def bad(self, other):
 
 def wrapper(self, kv_caches):
     worker = REGISTRY.original(PATCH_ID)(self, kv_caches)
+    from vllm.platforms import current_platform
+
+    check(worker, current_platform)
+    return worker
+
+
+def prelude(self, kv_caches):
+    kv_caches = pinned(kv_caches)
+    return REGISTRY.original(PATCH_ID)(self, kv_caches)
+
+
+@classmethod
+def classmethod_wrapper(cls):
+    layouts = REGISTRY.original(PATCH_ID).__func__(cls)
+    return layouts + ("BLHNC",)
+
+
+def not_passed_through(self, kv_caches):
+    return REGISTRY.original(PATCH_ID)(self, [])
+
+
+def twice(self, kv_caches):
+    REGISTRY.original(PATCH_ID)(self, kv_caches)
+    worker = REGISTRY.original(PATCH_ID)(self, kv_caches)
+    return worker
+
+
+def foreign(self, *args, **kwargs):
+    worker = REGISTRY.original(PATCH_ID)(self, *args, **kwargs)
+    check(args)
     return worker
 
 
@@ -154,6 +186,13 @@ def no_return(self, kv_caches):
         return REGISTRY.original(PATCH_ID)(self, kv_caches)
     self.x = 1
 """
+
+
+def worker_body(name: str, upstream: str = UPSTREAM) -> str:
+    """``Spec.get_worker`` after its signature, rendered from NAME."""
+    text = render_patch.edit(upstream, "Spec.get_worker", PATCH, name)
+    assert "REGISTRY" not in text
+    return text.split("def get_worker(self, kv_caches: list) -> object:\n")[1]
 
 
 def test_a_body_is_replaced_under_upstreams_signature():
@@ -172,8 +211,7 @@ def test_a_fallback_keeps_upstreams_body_on_its_path():
     """``if COND: return REGISTRY.original(...)`` -> the patch's path under
     ``if not COND``, then upstream's body unchanged; runtime-only lines and
     imports upstream has at top level dropped."""
-    text = render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "get_worker")
-    body = text.split("def get_worker(self, kv_caches: list) -> object:\n")[1]
+    body = worker_body("get_worker")
     assert body == (
         '        """Upstream\'s docstring."""\n'
         "        if current_platform.is_cpu():\n"
@@ -184,7 +222,7 @@ def test_a_fallback_keeps_upstreams_body_on_its_path():
         "            self._worker = make(kv_caches)\n"
         "        return self._worker\n"
     )
-    assert "REGISTRY" not in text and "record_call" not in text
+    assert "record_call" not in body
 
 
 def test_a_target_upstream_lacks_is_added_to_its_class():
@@ -194,17 +232,86 @@ def test_a_target_upstream_lacks_is_added_to_its_class():
     )
 
 
-def test_what_does_not_follow_the_convention_is_refused():
-    with pytest.raises(render_patch.RenderError, match="parameters"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "bad")
-    with pytest.raises(render_patch.RenderError, match="must end in return"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "no_return")
-    with pytest.raises(render_patch.RenderError, match="wrapper"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "wrapper")
-    with pytest.raises(render_patch.RenderError, match="no class"):
-        render_patch.edit(UPSTREAM, "Other.get_worker", PATCH, "get_worker")
-    with pytest.raises(render_patch.RenderError, match="no top-level def"):
-        render_patch.edit(UPSTREAM, "Spec.get_worker", PATCH, "missing")
+TWO_RETURNS = UPSTREAM.replace(
+    "            self._worker = make(kv_caches)\n",
+    "            return make(kv_caches)\n",
+)
+
+
+@pytest.mark.parametrize(
+    "upstream, target, name, error",
+    [
+        (UPSTREAM, "Spec.get_worker", "bad", "parameters"),
+        (UPSTREAM, "Spec.get_worker", "no_return", "must end in return"),
+        (UPSTREAM, "Spec.get_worker", "not_passed_through", "through"),
+        (UPSTREAM, "Spec.get_worker", "twice", "REGISTRY other than"),
+        (UPSTREAM, "Spec.get_worker", "foreign", "does not take"),
+        (TWO_RETURNS, "Spec.get_worker", "wrapper", "only return"),
+        (UPSTREAM, "Other.get_worker", "get_worker", "no class"),
+        (UPSTREAM, "Spec.get_worker", "missing", "no top-level def"),
+    ],
+)
+def test_what_does_not_follow_the_convention_is_refused(upstream, target, name, error):
+    with pytest.raises(render_patch.RenderError, match=error):
+        render_patch.edit(upstream, target, PATCH, name)
+
+
+def test_a_wrappers_steps_after_the_call_replace_upstreams_return():
+    """``NAME = REGISTRY.original(...)(params)``, steps, ``return``: the
+    steps replace upstream's last (and only) return, NAME bound to what
+    upstream returned; imports upstream has at top level dropped."""
+    body = worker_body("wrapper")
+    assert body == (
+        '        """Upstream\'s docstring."""\n'
+        "        if not self._worker:\n"
+        "            self._worker = make(kv_caches)\n"
+        "        worker = self._worker\n"
+        "        check(worker, current_platform)\n"
+        "        return worker\n"
+    )
+    # upstream returns an expression: bound to the wrapper's name first
+    text = render_patch.edit(UPSTREAM, "Spec.layouts", PATCH, "classmethod_wrapper")
+    assert (
+        '        # only one\n        layouts = ("LBHNC",)\n'
+        '        return layouts + ("BLHNC",)\n' in text
+    )
+    # upstream returns a name: the wrapper's name becomes it
+    named = UPSTREAM.replace(
+        "        return self._worker\n", "        w = self._worker\n        return w\n"
+    )
+    assert worker_body("wrapper", named).endswith(
+        "        w = self._worker\n"
+        "        check(w, current_platform)\n"
+        "        return w\n"
+    )
+
+
+def test_a_wrappers_steps_before_the_call_open_upstreams_body():
+    body = worker_body("prelude")
+    assert body.startswith(
+        '        """Upstream\'s docstring."""\n'
+        "        kv_caches = pinned(kv_caches)\n"
+        "        if not self._worker:\n"
+    )
+
+
+def test_a_function_imported_into_the_patched_module_is_edited_where_defined():
+    core = "from vllm.v1.core.utils import (\n    get_configs,\n)\nx = get_configs()\n"
+    assert render_patch.imported_from(
+        core, "get_configs", "vllm/v1/engine/core.py"
+    ) == ("vllm.v1.core.utils")
+    relative = "from ..core.utils import get_configs\n"
+    assert render_patch.imported_from(
+        relative, "get_configs", "vllm/v1/engine/core.py"
+    ) == ("vllm.v1.core.utils")
+    assert (
+        render_patch.imported_from("def get_configs(): ...\n", "get_configs", "a.py")
+        is None
+    )
+    assert render_patch.imported_from(core, "Cls.get_configs", "a.py") is None
+    assert render_patch.calls(core, "get_configs")
+    assert render_patch.calls("m.get_configs(1)\n", "get_configs")
+    assert not render_patch.calls('"""get_configs()"""\n', "get_configs")
 
 
 # -- the static import check ---------------------------------------------------

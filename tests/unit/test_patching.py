@@ -55,6 +55,31 @@ def test_replace_keeps_original_and_undo_restores(fake_module):
     assert isinstance(vars(fake_module.Target)["order"], staticmethod)
 
 
+def test_original_of_a_replacement_shared_by_patch_sets(fake_module):
+    """A replacement shared by two releases' patch sets (each its own id)
+    finds upstream's attribute by itself: only one set is applied."""
+    registry = PatchRegistry()
+    new = staticmethod(lambda: "patched")
+    with pytest.raises(LookupError, match="0 applied patches"):
+        registry.original_of(new)
+    registry.add(
+        Patch(
+            id="T-6",
+            module=fake_module.__name__,
+            target="Target.order",
+            new=new,
+            **ENTRY,
+        )
+    )
+    registry.add(
+        Patch(id="T-7", module="not.imported.yet", target="order", new=new, **ENTRY)
+    )  # pending: not applied, so not a second candidate
+    assert registry.original_of(new)() == "stock"
+    registry.undo("T-6")
+    with pytest.raises(LookupError):
+        registry.original_of(new)
+
+
 def test_shadowing_an_inherited_attribute_is_an_addition(fake_module):
     registry = PatchRegistry()
     state = registry.add(

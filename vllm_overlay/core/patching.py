@@ -150,6 +150,20 @@ class PatchRegistry:
             )
         return state.original
 
+    def original_of(self, new: Any) -> Any:
+        """The upstream attribute replaced by the applied patch whose
+        replacement is NEW: for a replacement that the patch sets of
+        several releases share (each set names its own patch id)."""
+        with self._lock:
+            ids = [
+                patch_id
+                for patch_id, state in self._states.items()
+                if state.patch.new is new and state.status == "applied"
+            ]
+        if len(ids) != 1:
+            raise LookupError(f"{len(ids)} applied patches replace with {new!r}: {ids}")
+        return self.original(ids[0])
+
     def undo(self, patch_id: str) -> None:
         """Restore one original (used by tests of the helper itself)."""
         with self._lock:

@@ -6,8 +6,9 @@ import contextlib
 import json
 import os
 import pathlib
-import sys
 import time
+
+from vllm_overlay.testing.forked import fork_child, log_tail
 
 
 def wait_for(path: str, timeout_s: float = 300.0) -> None:
@@ -35,33 +36,18 @@ class NodeProcess:
         self.out = os.path.join(workdir, f"{name}.json")
         self.log_path = os.path.join(workdir, f"{name}.log")
         self.returncode: int | None = None
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child never returns from here
-            code = 1
-            try:
-                log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT, 0o644)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                from vllm_overlay.demo.node import Node
+        self.pid = fork_child(lambda: self._child(config), self.log_path)
 
-                node = Node(config)
-                open(self.out + ".ready", "w").close()
-                wait_for(self.out + ".go")
-                result = node.run_passes()
-                with open(self.out + ".tmp", "w") as f:
-                    json.dump(result, f)
-                os.replace(self.out + ".tmp", self.out)
-                code = 0
-            except BaseException:  # noqa: BLE001
-                import traceback
+    def _child(self, config: dict) -> None:
+        from vllm_overlay.demo.node import Node
 
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)  # no vLLM teardown, no parent atexit hooks
+        node = Node(config)
+        open(self.out + ".ready", "w").close()
+        wait_for(self.out + ".go")
+        result = node.run_passes()
+        with open(self.out + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(self.out + ".tmp", self.out)
 
     def _poll(self) -> bool:
         if self.returncode is None:
@@ -82,10 +68,7 @@ class NodeProcess:
             time.sleep(0.05)
 
     def _failure(self, what: str) -> str:
-        try:
-            tail = pathlib.Path(self.log_path).read_text()[-3000:]
-        except OSError:
-            tail = ""
+        tail = log_tail(self.log_path)
         return f"{self.name} engine {what} (log {self.log_path}):\n{tail}"
 
     def wait_ready(self, timeout_s: float = 300) -> None:

@@ -91,7 +91,7 @@ def stage_budgets(vllm_config) -> list[StageBudget]:
     ]
 
 
-def validate(vllm_config) -> None:
+def validate_pp_kv_budget(vllm_config) -> None:
     """Front end: reject a bad configuration before any worker starts."""
     if not enabled(vllm_config):
         return

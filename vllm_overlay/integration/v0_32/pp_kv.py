@@ -1,12 +1,12 @@
-"""The PP KV budget on vLLM 0.32: split in the engine core.
+"""The PP KV budget split in the engine core (vLLM 0.32 and later).
 
-0.32's ``EngineCore._initialize_kv_caches`` gathers every worker's KV specs
-and the KV memory each one reports (``determine_available_memory``: on CPU
-and GPU, ``kv_cache_memory_bytes`` when it is set, per worker), then
+``EngineCore._initialize_kv_caches`` gathers every worker's KV specs and
+the KV memory each one reports (``determine_available_memory``: on CPU and
+GPU, ``kv_cache_memory_bytes`` when it is set, per worker), then
 ``get_kv_cache_configs`` sizes each worker and shrinks every stage to the
 smallest stage's block count.  With ``--enable-pp-prop-kv-cache`` the
 memory each worker gets is its stage's share of the budget by layers
-(``integration/pp_kv``, the same split as on 0.11.2), so every stage fits
+(``pp_kv.stage_budgets``, the split the flag defines), so every stage fits
 the same number of blocks and the shrink leaves nothing unused.
 
 A worker's stage comes from the layers in its KV specs (vLLM's layer

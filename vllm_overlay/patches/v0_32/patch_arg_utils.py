@@ -1,76 +1,81 @@
 """vllm/engine/arg_utils.py: the ``--enable-pp-prop-kv-cache`` option (0.32).
 
-As on 0.11.2 (``patches/v0_11_2/patch_arg_utils.py``; the helpers are
-``integration/pp_kv``'s): ``EngineArgs.add_cli_args`` gains the flag
-(``vllm serve`` loads plugins before it builds its parser),
+``EngineArgs.add_cli_args`` gains the flag (``vllm serve`` loads plugins
+before it builds its parser, so it appears in ``--help``);
 ``from_cli_args`` carries it into
-``additional_config["enable_pp_prop_kv_cache"]`` (0.32's EngineArgs still
-has no field for it, and ``additional_config`` still reaches the engine
-core), ``create_engine_config`` validates it before any engine process
-starts.
+``additional_config["enable_pp_prop_kv_cache"]`` (EngineArgs has no field
+for it, and ``additional_config`` reaches the engine core and every worker;
+``LLM(additional_config=...)`` users set it directly);
+``create_engine_config`` validates it (budget given, partition matches the
+model, one block fits on every stage) before any engine process starts.
+
+The 0.11.2 set (``patches/v0_11_2/patch_arg_utils.py``) applies the same
+replacements under its own ids (``engine_args_patches``): each wrapper
+finds upstream's function by itself (``REGISTRY.original_of``).  The steps
+are ``integration/pp_kv``'s.
 """
 
 from vllm_overlay.core.patching import REGISTRY, Patch
-from vllm_overlay.integration import pp_kv
 
 MODULE = "vllm.engine.arg_utils"
 
 
+# Each wrapper calls upstream's function, then the overlay's step
+# (``patches/latest`` renders the step at the end of upstream's body).
 @staticmethod
 def add_cli_args(parser):
-    return pp_kv.add_cli_flag(REGISTRY.original("PP32-01")(parser))
+    parser = REGISTRY.original_of(add_cli_args)(parser)
+    from vllm_overlay.integration.pp_kv import add_cli_flag
+
+    return add_cli_flag(parser)
 
 
 @classmethod
 def from_cli_args(cls, args):
-    return pp_kv.carry_cli_flag(REGISTRY.original("PP32-02").__func__(cls, args), args)
+    engine_args = REGISTRY.original_of(from_cli_args).__func__(cls, args)
+    from vllm_overlay.integration.pp_kv import carry_cli_flag
+
+    return carry_cli_flag(engine_args, args)
 
 
 def create_engine_config(self, *args, **kwargs):
-    config = REGISTRY.original("PP32-03")(self, *args, **kwargs)
-    pp_kv.validate(config)
+    config = REGISTRY.original_of(create_engine_config)(self, *args, **kwargs)
+    from vllm_overlay.integration.pp_kv import validate_pp_kv_budget
+
+    validate_pp_kv_budget(config)
     return config
 
 
-_FEATURE = "pipeline-parallel KV budget"
-_UPSTREAM = (
-    "vllm-project/vllm#25164 (flag version; upstream merged a different "
-    "fix without the flag)"
-)
-_REMOVAL = "Drop with PP32-04."
+def engine_args_patches(ids: tuple[str, str, str], upstream: str, removal: str):
+    """The three ``EngineArgs`` patches under a patch set's ids, with its
+    upstream reference and removal note."""
+    why = {
+        "add_cli_args": "Expose --enable-pp-prop-kv-cache on the vLLM command line.",
+        "from_cli_args": "EngineArgs has no field for the flag; carry it in "
+        "additional_config, which reaches the engine core and every worker.",
+        "create_engine_config": "Reject a bad configuration (no byte budget, a "
+        "partition that does not match the model, less than one block on a "
+        "stage) in the front end, with the values named.",
+    }
+    news = (add_cli_args, from_cli_args, create_engine_config)
+    return [
+        Patch(
+            id=patch_id,
+            module=MODULE,
+            target=f"EngineArgs.{name}",
+            new=new,
+            feature="pipeline-parallel KV budget",
+            upstream=upstream,
+            removal=removal,
+            why=why[name],
+        )
+        for patch_id, new, name in zip(ids, news, why)
+    ]
 
-PATCHES = [
-    Patch(
-        id="PP32-01",
-        module=MODULE,
-        target="EngineArgs.add_cli_args",
-        new=add_cli_args,
-        feature=_FEATURE,
-        upstream=_UPSTREAM,
-        removal=_REMOVAL,
-        why="Expose --enable-pp-prop-kv-cache on the vLLM command line.",
-    ),
-    Patch(
-        id="PP32-02",
-        module=MODULE,
-        target="EngineArgs.from_cli_args",
-        new=from_cli_args,
-        feature=_FEATURE,
-        upstream=_UPSTREAM,
-        removal=_REMOVAL,
-        why="EngineArgs has no field for the flag; carry it in "
-        "additional_config, which reaches the engine core.",
-    ),
-    Patch(
-        id="PP32-03",
-        module=MODULE,
-        target="EngineArgs.create_engine_config",
-        new=create_engine_config,
-        feature=_FEATURE,
-        upstream=_UPSTREAM,
-        removal=_REMOVAL,
-        why="Reject a bad configuration (no byte budget, a partition that "
-        "does not match the model, less than one block on a stage) in the "
-        "front end, with the values named, as on 0.11.2.",
-    ),
-]
+
+PATCHES = engine_args_patches(
+    ("PP32-01", "PP32-02", "PP32-03"),
+    upstream="vllm-project/vllm#25164 (flag version; upstream merged a different "
+    "fix without the flag)",
+    removal="Drop with PP32-04.",
+)

@@ -11,17 +11,20 @@ blocks.  Without the flag the call is upstream's, unchanged.
 """
 
 from vllm_overlay.core.patching import REGISTRY, Patch
-from vllm_overlay.integration.v0_32 import pp_kv as pp_kv_v0_32
 
 MODULE = "vllm.v1.engine.core"
 PATCH_ID = "PP32-04"
 
 
+# A wrapper: the overlay's step, then upstream's function (``patches/latest``
+# renders the step at the top of upstream's body, where it is defined).
 def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
-    split = pp_kv_v0_32.split_available_memory(
+    from vllm_overlay.integration.v0_32.pp_kv import split_available_memory
+
+    available_memory = split_available_memory(
         vllm_config, kv_cache_specs, available_memory
     )
-    return REGISTRY.original(PATCH_ID)(vllm_config, kv_cache_specs, split)
+    return REGISTRY.original(PATCH_ID)(vllm_config, kv_cache_specs, available_memory)
 
 
 PATCHES = [
