@@ -73,8 +73,12 @@ def test_one_series_per_v0_32_patch_module_in_order():
     from vllm_overlay.patches import v0_32
 
     named = [stage_latest.series_name(m) for m in v0_32.MODULES]
-    assert groups == named  # every patch module is staged
+    # every patch module is staged, but the wrappers render_wrapper.py
+    # cannot turn into an edit (listed in the series with the reason)
+    assert groups == [n for n in named if n not in stage_latest.NOT_STAGED]
     series = (LATEST / "series").read_text()
+    for name, why in stage_latest.NOT_STAGED.items():
+        assert f"not staged: {why}" in series
     # engine-core needs the budget modules arg-utils adds
     assert stage_latest.depends()["engine-core"] == ["arg-utils"]
     assert "# engine-core: PP32-04" in series
