@@ -26,6 +26,7 @@ from run_pool import prompts  # noqa: E402
 from support.redis_server import redis_server  # noqa: E402
 from support.served_vllm import (  # noqa: E402
     SERVED_NAME,
+    complete,
     harness_env,
     post,
     served_model,
@@ -67,28 +68,6 @@ def kv_transfer_config(url: str) -> str:
             },
         }
     )
-
-
-def complete(port: int, prompt: str) -> dict:
-    answer = post(
-        port,
-        "/v1/completions",
-        {
-            "model": SERVED_NAME,
-            "prompt": prompt,
-            "max_tokens": 12,
-            "temperature": 0.0,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-        },
-    )
-    choice = answer["choices"][0]
-    details = answer["usage"].get("prompt_tokens_details") or {}
-    return {
-        "tokens": [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]],
-        "logprobs": choice["logprobs"]["token_logprobs"],
-        "cached_tokens": details.get("cached_tokens") or 0,
-    }
 
 
 def reset_prefix_cache(port: int) -> None:

@@ -161,3 +161,28 @@ def post(port: int, path: str, body: dict | None = None, timeout: float = 120):
     )
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read() or b"null")
+
+
+def complete(port: int, prompt: str, max_tokens: int = 12) -> dict:
+    """One greedy completion over HTTP: its text, token ids, logprobs and
+    the prompt's cached-token count (``--enable-prompt-tokens-details``)."""
+    answer = post(
+        port,
+        "/v1/completions",
+        {
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        },
+    )
+    choice = answer["choices"][0]
+    details = answer["usage"].get("prompt_tokens_details") or {}
+    return {
+        "text": choice["text"],
+        "tokens": [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]],
+        "logprobs": choice["logprobs"]["token_logprobs"],
+        "cached_tokens": details.get("cached_tokens") or 0,
+    }

@@ -40,6 +40,7 @@ from check_suite import DEFAULT_CONFIG  # noqa: E402
 from run_eval import load_config  # noqa: E402
 from support.served_vllm import (  # noqa: E402
     SERVED_NAME,
+    complete,
     harness_env,
     post,
     served_model,
@@ -73,29 +74,6 @@ def prompts(n: int = 4, seed: int = 11) -> list[str]:
         seq = [f"t{rng.randrange(64):02d}" for _ in range(rng.randint(200, 400))]
         out.append(" ".join(seq) + " | " + " ".join(seq[: rng.randint(5, 50)]))
     return out
-
-
-def complete(port: int, prompt: str) -> dict:
-    answer = post(
-        port,
-        "/v1/completions",
-        {
-            "model": SERVED_NAME,
-            "prompt": prompt,
-            "max_tokens": 12,
-            "temperature": 0.0,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-        },
-    )
-    choice = answer["choices"][0]
-    details = answer["usage"].get("prompt_tokens_details") or {}
-    return {
-        "text": choice["text"],
-        "tokens": choice["logprobs"]["tokens"],
-        "logprobs": choice["logprobs"]["token_logprobs"],
-        "cached_tokens": details.get("cached_tokens") or 0,
-    }
 
 
 def step(port: int) -> None:
