@@ -62,6 +62,7 @@ def test_every_core_module_imports_without_vllm():
             "pool.config",
             "pool.errors",
             "pool.health",
+            "pool.keys",
             "pool.pool",
             "pool.ratelog",
             "pool.resp",
