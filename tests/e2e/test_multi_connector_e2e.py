@@ -54,7 +54,7 @@ def nodes():
     with redis_server() as server:
         a = node(server.url)
         b = node(server.url)
-        keys = server.cli("--scan", "--pattern", "vkv:*").split()
+        keys = server.cli("keys", "vkv:*").split()
         for key in keys:  # flip payload bytes behind the header
             server.cli("setrange", key, "1000", "garbage!")
         c = node(server.url)

@@ -19,6 +19,9 @@ from check_suite import DEFAULT_CONFIG, check, expected_problems, run_path  # no
 from run_eval import load_config  # noqa: E402
 from support.redis_server import redis_server  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from tolerances import STOCK_FLOAT32_DRIFT  # noqa: E402
+
 CONFIG = load_config(DEFAULT_CONFIG)
 
 
@@ -43,11 +46,33 @@ def test_stock_reaches_the_expected_values(stock):
     assert all(len(choices) == 8 for choices in stock["samples"]["copy_mc"])
 
 
-@pytest.mark.parametrize("path", ["cross", "pp"])
-def test_path_equals_stock(path, stock):
-    result = run_path(DEFAULT_CONFIG, path)
+def test_cross_layer_equals_stock(stock):
+    result = run_path(DEFAULT_CONFIG, "cross")
     assert check(CONFIG, result, stock) == []
     assert result["samples"] == stock["samples"]
+
+
+def test_pp_equals_stock_within_its_batch_drift(stock):
+    """PP=2 runs its stages in processes of their own, whose steps form
+    their batches by timing (CI once saw 1 of 48 loglikelihoods differ in
+    the last bits): the metrics and every generated text equal stock's, and
+    each loglikelihood is within stock's own float32 batch drift."""
+    result = run_path(DEFAULT_CONFIG, "pp")
+    assert expected_problems(CONFIG, result) == []
+    assert result["metrics"] == stock["metrics"]
+    assert result["samples"].keys() == stock["samples"].keys()
+    worst = 0.0
+    for task, samples in stock["samples"].items():
+        got = result["samples"][task]
+        assert len(got) == len(samples)
+        for mine, theirs in zip(got, samples):
+            assert len(mine) == len(theirs)
+            for a, b in zip(mine, theirs):
+                if isinstance(b, float):
+                    worst = max(worst, abs(a - b))
+                else:
+                    assert a == b  # generated text
+    assert worst <= STOCK_FLOAT32_DRIFT, worst
 
 
 def test_offload_reload_equals_stock(stock):
