@@ -8,7 +8,9 @@ import dataclasses
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm_overlay.connectors.offloading import CounterPromMetrics
+from vllm_overlay.connectors.offloading import (  # noqa: E501
+    CounterPromMetrics,
+)
 from vllm_overlay.core.pool import keys
 
 
