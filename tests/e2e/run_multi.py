@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 
+from result_out import records
 from run_pool import prompts
 
 from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
@@ -62,18 +63,7 @@ def main(config: dict) -> dict:
         # One request at a time: the schedule of stock's reference
         # (run_pool.py), so outputs must match it bit for bit.
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts("shared")]
-        return [
-            {
-                "prompt_tokens": len(o.prompt_token_ids),
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[t].logprob
-                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                ],
-                "cached_tokens": o.num_cached_tokens or 0,
-            }
-            for o in outs
-        ]
+        return records(outs)
 
     def settle() -> dict:
         # A short request (no full block) runs the steps that finish the
