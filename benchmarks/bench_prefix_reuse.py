@@ -76,7 +76,8 @@ when a path did not happen or its tokens differ from the cold run's.
 vLLM 0.32: run from its interpreter (the release is read from the installed
 vLLM, or ``--vllm 0.32``); its paths, engines and checks, with vLLM's hits
 by source and each reload's per-phase attribution, are in
-``prefix_reuse_v032.py`` and ``prefix_reuse_phases.py``; it writes
+``prefix_reuse_v032.py`` and ``prefix_reuse_phases.py`` (the engine
+plumbing both releases share: ``prefix_reuse_engine.py``); it writes
 ``prefix_reuse_v032.{json,png}``:
 
     .venv-0.32/bin/python benchmarks/bench_prefix_reuse.py --quick
@@ -89,14 +90,14 @@ import contextlib
 import json
 import os
 import pathlib
-import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 
-from vllm_overlay.testing.forked import fork_child, log_tail
+import prefix_reuse_engine
+from prefix_reuse_engine import Engine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -120,68 +121,35 @@ ENGINES = {
     "pool_writer": {"connector": "pool", "layout": "cross-layer"},
     "pool_reader": {"connector": "pool", "layout": "cross-layer"},
 }
-FLUSH_PROMPT = [5]  # one token: a step that completes pending stores
 # The connector engines that compute each round's prompt first (storing it).
 PREPARE = ("offload_cl", "offload_pl", "pool_writer")
 STEP_WHILE_WAITING = False  # the writer's store thread sends on its own
 WARM_FROM: dict[str, str] = {}  # engine -> the engine whose warm prompt it runs
 
 
-def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
-    """n random token ids (special tokens 0-2 left out), one prompt per seed."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
 # -- engine side (a forked child) ---------------------------------------------
-class EngineServer:
-    def __init__(self, spec: dict) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in-process
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc
-        os.environ.update(spec.get("env") or {})
+class EngineServer(prefix_reuse_engine.EngineServer):
+    """A 0.11.2 engine: the overlay's connectors, their counters from the
+    worker (in-process), the KV layout from the overlay's log lines."""
 
-        import torch
-        import vllm.logger  # noqa: F401  (configures vLLM's loggers first)
-
-        from vllm_overlay.testing.observe import LayoutLines, enable_request_metrics
+    def before_engine(self):
+        from vllm_overlay.testing.observe import LayoutLines
         from vllm_overlay.testing.v0_11_2 import offload_connector, pool_connector
 
-        torch.set_num_threads(spec["threads"])
-        if spec.get("switch_interval_ms"):  # the GIL's (a diagnostic)
-            sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
-        self.spec = spec
         self.layout_lines = LayoutLines().attach()
-
-        from vllm import LLM
-
-        kv = None
+        spec = self.spec
         if spec["connector"] == "offload":
-            kv = offload_connector(cpu_bytes=spec["host_bytes"])
-        elif spec["connector"] == "pool":
-            kv = pool_connector(
+            return offload_connector(cpu_bytes=spec["host_bytes"])
+        if spec["connector"] == "pool":
+            return pool_connector(
                 spec["url"],
                 "prefix-reuse",
                 timeout_s=10.0,
                 connect_timeout_s=2.0,
                 max_inflight_bytes=spec["pool_inflight_bytes"],
             )
-        started = time.perf_counter()
-        self.llm = LLM(
-            model=spec["model"],
-            dtype="float32",
-            max_model_len=spec["max_model_len"],
-            num_gpu_blocks_override=spec["num_blocks"],
-            enforce_eager=True,
-            seed=0,
-            kv_transfer_config=kv,
-        )
-        self.engine_s = time.perf_counter() - started
-        if not enable_request_metrics(self.llm):
-            raise RuntimeError("vLLM's request metrics could not be enabled")
-        self.scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
-        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        return None
 
-    # connector counters, from the worker (in-process)
     def _info(self) -> dict:
         if self.spec["connector"] is None:
             return {}
@@ -212,57 +180,10 @@ class EngineServer:
             }
         return {}
 
-    def _generate(self, ids: list[int], max_tokens: int):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False
-        )[0]
-
-    def flush(self) -> dict:
-        """One more step completes the finished requests' stores and frees
-        their blocks (the pool also drains its write queue)."""
-        self._generate(FLUSH_PROMPT, 1)
-        return self._counters()
-
-    def reset(self) -> bool:
-        """Empty the device prefix cache (the scheduler's call returns
-        whether it could: LLM.reset_prefix_cache returns None in 0.11.2)."""
-        for _ in range(5):
-            if self.scheduler.reset_prefix_cache():
-                return True
-            self._generate(FLUSH_PROMPT, 1)
-        return False
-
-    def run(self, cmd: dict) -> dict:
-        ids = prompt_ids(cmd["seed"], cmd["n"], cmd["vocab"])
-        reset_ok = None
-        if cmd.get("flush"):
-            self.flush()
-        if cmd.get("reset"):
-            reset_ok = self.reset()
-        before = self._counters()
-        t0 = time.perf_counter()
-        out = self._generate(ids, cmd["max_tokens"])
-        wall = time.perf_counter() - t0
-        after = self._counters()
-        m = out.metrics
-        n_gen = m.num_generation_tokens
-        decode_s = m.last_token_ts - m.first_token_ts
-        return {
-            "tokens": list(out.outputs[0].token_ids),
-            "prompt_tokens": len(out.prompt_token_ids),
-            "cached_tokens": out.num_cached_tokens or 0,
-            "ttft_s": m.first_token_latency,
-            "generation_tokens": n_gen,
-            "decode_s": decode_s,
-            "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 else None,
-            "wall_s": wall,
-            "reset_ok": reset_ok,
-            "moved": {k: after[k] - before.get(k, 0) for k in after},
-        }
+    def _reset_prefix_cache(self) -> bool:
+        # LLM.reset_prefix_cache returns None in 0.11.2; the scheduler's
+        # call says whether it could.
+        return self.scheduler.reset_prefix_cache()
 
     def describe(self) -> dict:
         import resource
@@ -277,97 +198,6 @@ class EngineServer:
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             **info,
         }
-
-    def handle(self, op: str, cmd: dict):
-        if op == "run":
-            return self.run(cmd)
-        if op == "flush":
-            return self.flush()
-        if op == "describe":
-            return self.describe()
-        raise ValueError(f"unknown op {op!r}")
-
-
-def serve(server, rfile, wfile) -> None:
-    """Answer the driver's JSON-line commands with ``server.handle(op, cmd)``
-    until "quit" (or the pipe closes); an error is a reply, not an exit."""
-    for line in rfile:
-        cmd = json.loads(line)
-        op = cmd["op"]
-        if op == "quit":
-            return
-        try:
-            reply = {"ok": True, "result": server.handle(op, cmd)}
-        except Exception as exc:  # noqa: BLE001 - reported to the driver
-            import traceback
-
-            traceback.print_exc()
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        wfile.write(json.dumps(reply) + "\n")
-        wfile.flush()
-
-
-# -- driver side ---------------------------------------------------------------
-class Engine:
-    """An engine in a forked child of this process, driven over two pipes
-    (JSON lines); its stdout/stderr go to a log file.  ``server`` builds
-    the child's side from ``spec`` (an object with ``handle(op, cmd)``)."""
-
-    def __init__(self, name: str, spec: dict, workdir: str, server=None) -> None:
-        self.name = name
-        self.log_path = os.path.join(workdir, f"{name}.log")
-        cmd_r, cmd_w = os.pipe()
-        res_r, res_w = os.pipe()
-
-        def child() -> None:
-            os.close(cmd_w)
-            os.close(res_r)
-            with os.fdopen(cmd_r) as rfile, os.fdopen(res_w, "w") as wfile:
-                server_ = (server or EngineServer)(spec)
-                wfile.write(json.dumps({"ok": True, "result": "ready"}) + "\n")
-                wfile.flush()
-                serve(server_, rfile, wfile)
-
-        self.pid = fork_child(child, self.log_path)
-        os.close(cmd_r)
-        os.close(res_w)
-        self.wfile = os.fdopen(cmd_w, "w")
-        self.rfile = os.fdopen(res_r)
-
-    def _reply(self):
-        line = self.rfile.readline()
-        if not line:
-            raise RuntimeError(self._failure("exited"))
-        reply = json.loads(line)
-        if not reply["ok"]:
-            raise RuntimeError(self._failure(reply["error"]))
-        return reply["result"]
-
-    def _failure(self, what: str) -> str:
-        tail = log_tail(self.log_path)
-        return f"engine {self.name}: {what} (log {self.log_path}):\n{tail}"
-
-    def wait_ready(self) -> None:
-        self._reply()
-
-    def call(self, op: str, **kwargs):
-        self.wfile.write(json.dumps({"op": op, **kwargs}) + "\n")
-        self.wfile.flush()
-        return self._reply()
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.wfile.write(json.dumps({"op": "quit"}) + "\n")
-            self.wfile.flush()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            pid, _ = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                return
-            time.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, 9)
-        os.waitpid(self.pid, 0)
 
 
 def _loadavg() -> list[float]:
@@ -786,17 +616,9 @@ def check_round(
 
 
 def check_layouts(info: dict) -> list[str]:
-    out = []
-    for name, spec in ENGINES.items():
-        if name not in info or "layout" not in spec:
-            continue
-        want = spec["layout"] == "cross-layer"
-        if info[name].get("cross_layer") is not want:
-            out.append(
-                f"engine {name}: expected the {spec['layout']} KV layout, "
-                f"got {info[name].get('layout_lines')}"
-            )
-    return out
+    return prefix_reuse_engine.check_layouts(
+        ENGINES, info, lambda one: one.get("layout_lines")
+    )
 
 
 # -- report --------------------------------------------------------------------

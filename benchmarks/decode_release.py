@@ -17,7 +17,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # vllm_overlay of this checkout
-from bench_prefix_reuse import Engine, prompt_ids  # noqa: E402
+from prefix_reuse_engine import Engine, prompt_ids  # noqa: E402
 
 LAYOUTS = ("stock", "cross-layer")
 

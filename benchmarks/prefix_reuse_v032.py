@@ -37,10 +37,9 @@ arrival (front end, moved to this clock) and its engine-core
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
+import prefix_reuse_engine
 from bench_prefix_reuse import check_round as check_paths
 from prefix_reuse_phases import Phases, print_phases
 
@@ -114,41 +113,17 @@ def _connector_kv(spec: dict):
     return None
 
 
-class EngineServer:
-    """One engine (in a forked child): answers ``run``, ``flush`` and
-    ``describe`` like the 0.11.2 one (``bench_prefix_reuse.EngineServer``)."""
+class EngineServer(prefix_reuse_engine.EngineServer):
+    """A 0.32 engine: upstream's OffloadingConnector (the host tier, and the
+    pool tier behind it), vLLM's hits by source, the tier's and the CPU
+    worker's counters, and each run's per-phase timestamps."""
 
-    def __init__(self, spec: dict) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc
-        os.environ.update(spec.get("env") or {})
+    def before_engine(self):
+        return _connector_kv(self.spec)
 
-        import torch
-        import vllm.logger  # noqa: F401  (configures vLLM's loggers first)
-        from vllm import LLM
+    def after_engine(self) -> None:
         from vllm.v1.metrics.stats import PrefixCacheStats
 
-        from vllm_overlay.testing.observe import enable_request_metrics
-
-        torch.set_num_threads(spec["threads"])
-        if spec.get("switch_interval_ms"):  # the GIL's (a diagnostic)
-            sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
-        self.spec = spec
-        started = time.perf_counter()
-        self.llm = LLM(
-            model=spec["model"],
-            dtype="float32",
-            max_model_len=spec["max_model_len"],
-            num_gpu_blocks_override=spec["num_blocks"],
-            enforce_eager=True,
-            seed=0,
-            kv_transfer_config=_connector_kv(spec),
-        )
-        self.engine_s = time.perf_counter() - started
-        if not enable_request_metrics(self.llm):
-            raise RuntimeError("vLLM's request metrics could not be enabled")
-        self.scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
-        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
         self.tier = self.worker = self.phases = None
         if self.scheduler.connector is not None:
             # The scheduler records the connector's hits by source only
@@ -186,74 +161,25 @@ class EngineServer:
             )
         return out
 
-    def _generate(self, ids: list[int], max_tokens: int):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False
-        )[0]
-
-    def flush(self) -> dict:
-        """One more step: finished stores complete (and cascade to the
-        tier), their blocks are freed."""
-        self._generate([5], 1)
-        return self._counters()
-
-    def reset(self) -> bool:
-        for _ in range(5):
-            if self.llm.reset_prefix_cache():
-                return True
-            self._generate([5], 1)
-        return False
-
-    def run(self, cmd: dict) -> dict:
-        from bench_prefix_reuse import prompt_ids
-
-        ids = prompt_ids(cmd["seed"], cmd["n"], cmd["vocab"])
-        reset_ok = None
-        if cmd.get("flush"):
-            self.flush()
-        if cmd.get("reset"):
-            reset_ok = self.reset()
-        before = self._counters()
+    def before_run(self) -> None:
         if self.phases is not None:
             self.phases.reset()
-        t0 = time.perf_counter()
-        out = self._generate(ids, cmd["max_tokens"])
-        wall = time.perf_counter() - t0
-        after = self._counters()
-        moved = {k: after[k] - before.get(k, 0) for k in after}
-        m = out.metrics
-        n_gen = m.num_generation_tokens
-        decode_s = m.last_token_ts - m.first_token_ts
-        res = {
-            "tokens": list(out.outputs[0].token_ids),
-            "prompt_tokens": len(out.prompt_token_ids),
-            "cached_tokens": out.num_cached_tokens or 0,
-            "ttft_s": m.first_token_latency,
-            "generation_tokens": n_gen,
-            "decode_s": decode_s,
-            "decode_tok_s": (n_gen - 1) / decode_s if decode_s > 0 else None,
-            "wall_s": wall,
-            "reset_ok": reset_ok,
-            "moved": moved,
-        }
-        if self.phases is not None:
-            p = self.phases
-            # arrival_time is wall clock (front end, this process): moved to
-            # the engine core's monotonic clock.
-            arrival = m.arrival_time - (time.time() - time.monotonic())
-            events = {**p.t, "arrival": arrival, "first_token": m.first_token_ts}
-            res["events"] = {k: v - arrival for k, v in events.items()}
-            res["h2d_copy_s"] = p.h2d_s
-            res["steps"] = p.steps
-            # the main table's "transfer ms": the pool's read, else the copy
-            moved["load_s"] = moved.get("pool_io_s_in") or p.h2d_s
-            if moved.get("pool_bytes_in"):
-                moved["loaded_bytes"] = moved["pool_bytes_in"]
-        return res
+
+    def after_run(self, res: dict, m) -> None:
+        if self.phases is None:
+            return
+        p, moved = self.phases, res["moved"]
+        # arrival_time is wall clock (front end, this process): moved to
+        # the engine core's monotonic clock.
+        arrival = m.arrival_time - (time.time() - time.monotonic())
+        events = {**p.t, "arrival": arrival, "first_token": m.first_token_ts}
+        res["events"] = {k: v - arrival for k, v in events.items()}
+        res["h2d_copy_s"] = p.h2d_s
+        res["steps"] = p.steps
+        # the main table's "transfer ms": the pool's read, else the copy
+        moved["load_s"] = moved.get("pool_io_s_in") or p.h2d_s
+        if moved.get("pool_bytes_in"):
+            moved["loaded_bytes"] = moved["pool_bytes_in"]
 
     def describe(self) -> dict:
         import resource
@@ -275,15 +201,6 @@ class EngineServer:
             "tier": type(self.tier).__name__ if self.tier is not None else None,
             **info,
         }
-
-    def handle(self, op: str, cmd: dict):
-        if op == "run":
-            return self.run(cmd)
-        if op == "flush":
-            return self.flush()
-        if op == "describe":
-            return self.describe()
-        raise ValueError(f"unknown op {op!r}")
 
 
 def _offload_worker(worker):
@@ -324,18 +241,13 @@ def check_round(
 
 
 def check_layouts(info: dict) -> list[str]:
-    out = []
-    for name, spec in ENGINES.items():
-        if name not in info or "layout" not in spec:
-            continue
-        want = spec["layout"] == "cross-layer"
-        if info[name].get("cross_layer") is not want:
-            out.append(
-                f"engine {name}: expected the {spec['layout']} KV layout, got "
-                f"{info[name].get('layout')} ({info[name].get('runs_per_block')} "
-                "copies per block)"
-            )
-    return out
+    return prefix_reuse_engine.check_layouts(
+        ENGINES,
+        info,
+        lambda one: (
+            f"{one.get('layout')} ({one.get('runs_per_block')} copies per block)"
+        ),
+    )
 
 
 def print_extra(rows: list[dict], runs: list[dict]) -> None:
