@@ -20,10 +20,12 @@ def emit(result) -> None:
 
 
 def records(outs) -> list[dict]:
-    """Per request of ``LLM.generate``'s outputs: greedy tokens, their
-    logprobs (``SamplingParams(logprobs=1)``) and the cached prompt tokens."""
+    """Per request of ``LLM.generate``'s outputs: its prompt's length, the
+    greedy tokens, their logprobs (``SamplingParams(logprobs=1)``) and the
+    cached prompt tokens."""
     return [
         {
+            "prompt_tokens": len(o.prompt_token_ids),
             "tokens": list(o.outputs[0].token_ids),
             "logprobs": [
                 lp[t].logprob

@@ -20,6 +20,7 @@ import os
 import sys
 
 from prompt_words import WORDS
+from result_out import records
 
 from vllm_overlay.testing import cpu_defaults, tiny_engine_args
 from vllm_overlay.testing.v0_11_2 import probe_connector
@@ -141,20 +142,7 @@ def main(config: dict) -> dict:
     passes = []
     for _ in range(2):  # the second pass hits the prefix cache
         outs = llm.generate(prompts(), params, use_tqdm=False)
-        passes.append(
-            [
-                {
-                    "prompt_tokens": len(o.prompt_token_ids),
-                    "tokens": list(o.outputs[0].token_ids),
-                    "logprobs": [
-                        lp[t].logprob
-                        for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                    ],
-                    "cached_tokens": o.num_cached_tokens or 0,
-                }
-                for o in outs
-            ]
-        )
+        passes.append(records(outs))
     kv = llm.collective_rpc(inspect_worker)[0]
     return {"passes": passes, "kv": kv}
 

@@ -25,6 +25,7 @@ import os
 import sys
 
 from prompt_words import WORDS
+from result_out import records
 
 from vllm_overlay.testing import cpu_defaults, tiny_engine_args
 from vllm_overlay.testing.v0_11_2 import offload_connector
@@ -89,18 +90,7 @@ def main(config: dict) -> dict:
 
     def run() -> list[dict]:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [
-            {
-                "prompt_tokens": len(o.prompt_token_ids),
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[t].logprob
-                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                ],
-                "cached_tokens": o.num_cached_tokens or 0,
-            }
-            for o in outs
-        ]
+        return records(outs)
 
     first = run()
     # Stores finish asynchronously; one more step lets them complete and

@@ -23,6 +23,7 @@ import sys
 import time
 
 from prompt_words import WORDS
+from result_out import records
 
 from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
 from vllm_overlay.testing.redis import server_command
@@ -71,18 +72,7 @@ def main(config: dict) -> dict:
         # wait, which changes batch composition, and vLLM's numerics are
         # not batch-invariant; alone, outputs must match stock bit for bit.
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts(kind)]
-        return [
-            {
-                "prompt_tokens": len(o.prompt_token_ids),
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[t].logprob
-                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
-                ],
-                "cached_tokens": o.num_cached_tokens or 0,
-            }
-            for o in outs
-        ]
+        return records(outs)
 
     passes = [run(config.get("prompts", "shared"))]
     if config.get("repeat"):
