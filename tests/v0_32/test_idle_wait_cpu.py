@@ -46,5 +46,10 @@ def test_the_engine_waits_while_its_request_waits_for_its_load(patched):
 
 
 def test_without_the_patch_stock_steps_without_waiting(skipped):
+    from vllm_overlay.integration.v0_32.idle_wait import IDLE_WAIT_S
+
     _reloaded(skipped)
     assert skipped["idle_waits"] == 0
+    # Empty steps back to back (measured: 7674 in 0.54 s, against 146 with
+    # the patch).
+    assert skipped["steps"] > 2 * HOLD_S / IDLE_WAIT_S, skipped
