@@ -69,6 +69,8 @@ MODULES = {
     "vllm_overlay.integration.v0_32.offload_worker": (
         "vllm.v1.kv_offload.cpu.cpu_platform_worker"
     ),
+    # the engine's bounded wait while requests only wait for KV loads
+    "vllm_overlay.integration.v0_32.idle_wait": "vllm.v1.engine.kv_idle_wait",
     # the PP KV budget: the split, the flag (option, validation, per-stage
     # budgets), the engine core's split of the workers' KV memory
     "vllm_overlay.core.pp_budget": "vllm.v1.core.pp_kv_budget",

@@ -79,10 +79,11 @@ def test_one_series_per_v0_32_patch_module_in_order():
     series = (LATEST / "series").read_text()
     for name, why in stage_latest.NOT_STAGED.items():
         assert f"not staged: {why}" in series
-    # engine-core needs the budget modules arg-utils adds
-    assert stage_latest.depends()["engine-core"] == ["arg-utils"]
+    # engine-core needs the budget modules arg-utils adds and the idle
+    # wait cpu-offload-spec adds
+    assert stage_latest.depends()["engine-core"] == ["arg-utils", "cpu-offload-spec"]
     assert "# engine-core: PP32-04" in series
-    assert "#   applies after arg-utils (new files it adds)" in series
+    assert "#   applies after arg-utils, cpu-offload-spec (new files it adds)" in series
     assert stage_latest.LATEST_VERSION in (LATEST / "README.md").read_text()
 
 

@@ -19,6 +19,8 @@ def test_the_0_32_patch_set_is_registered(result):
     assert result["outcome"] == "applied"
     assert set(result["patches"]) == {
         "CL32-01",
+        "EC32-01",
+        "EC32-02",
         "MLA32-01",
         "OF32-01",
         "OF32-02",

@@ -36,6 +36,7 @@ import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from vllm_overlay.core.ops.block_copy import BlockTable, gather, scatter
+from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -239,6 +240,7 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 self._done.append(result)
                 self._pending.discard(job_id)
                 self._cond.notify_all()
+            TRANSFER_DONE.set()  # an idle engine of this process steps now
 
 
 def _allocate(num_chunks: int) -> Callable[[int], torch.Tensor]:

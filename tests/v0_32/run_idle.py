@@ -1,0 +1,90 @@
+"""vLLM 0.32, upstream's ``OffloadingConnector`` on CPU: how the engine
+steps while its only request waits for a host reload (patches EC32-01/02).
+
+The tiny Llama computes one prompt (stored to host memory), the device
+prefix cache is emptied, and the prompt runs again: its blocks come back
+from host memory as an async load.  Each load in the worker is held for
+``hold_s`` first (a wrapper on this process's CPU offloading worker; the
+engine is in-process), so the engine has a known time with nothing to run.
+Reported: the tokens of both runs, the second's cached tokens, the
+scheduler's steps and the engine's idle waits during the second run, and
+the seconds the loads were held.
+
+    python run_idle.py '{"hold_s": 0.3}'   # env: VLLM_OVERLAY_SKIP_PATCHES
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
+from result_out import records  # noqa: E402
+from run_llm import prompts  # noqa: E402
+
+from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
+from vllm_overlay.testing.v0_32 import offload_connector  # noqa: E402
+
+
+def hold_loads(worker, hold_s: float) -> bool:
+    """Runs in the worker (``collective_rpc``): each load first sleeps."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    offload = get_kv_transfer_group().connector_worker.worker
+    move = offload._move
+
+    def held(kind, ids, rows):
+        if kind == "load":
+            time.sleep(hold_s)
+        return move(kind, ids, rows)
+
+    offload._move = held
+    return True
+
+
+def main(config: dict) -> dict:
+    cpu_defaults()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc fn
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**tiny_engine_args(kv_transfer_config=offload_connector()))
+    engine = llm.llm_engine.engine_core.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
+    prompt = prompts()[-1]
+    first = records(llm.generate([prompt], params, use_tqdm=False))
+    reset = False
+    for _ in range(3):  # stores finish as the engine steps
+        llm.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)
+        if llm.reset_prefix_cache():
+            reset = True
+            break
+    llm.collective_rpc(hold_loads, args=(config["hold_s"],))
+    steps = [0]
+    schedule = engine.scheduler.schedule
+
+    def counted(*args, **kwargs):
+        steps[0] += 1
+        return schedule(*args, **kwargs)
+
+    engine.scheduler.schedule = counted
+    engine.kv_idle_waits = 0
+    start = time.monotonic()
+    again = records(llm.generate([prompt], params, use_tqdm=False))
+    return {
+        "reset": reset,
+        "first": first,
+        "again": again,
+        "steps": steps[0],
+        "idle_waits": engine.kv_idle_waits,
+        "seconds": time.monotonic() - start,
+    }
+
+
+if __name__ == "__main__":
+    from result_out import emit
+
+    emit(main(json.loads(sys.argv[1])))
