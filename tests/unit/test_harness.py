@@ -71,3 +71,6 @@ def test_tiny_model_is_what_the_builder_makes(tmp_path):
     build(tmp_path)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / name).read_bytes() == (DEFAULT_DIR / name).read_bytes()
+    # a name transformers 4 (0.11.2) and 5 (0.32) both load
+    tokenizer = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast"

@@ -91,19 +91,26 @@ def build(out_dir: pathlib.Path, shape: Shape = DEFAULT) -> pathlib.Path:
         init_range=0.02,
         seed=SEED,
     )
-    (out_dir / "build.json").write_text(
-        json.dumps({"shape": dataclasses.asdict(shape), "seed": SEED}, indent=1)
-    )
+    (out_dir / "build.json").write_text(json.dumps(_record(shape), indent=1))
     return out_dir
+
+
+def _record(shape: Shape) -> dict:
+    """What a built folder must record to be used as is."""
+    from vllm_overlay.models.build_tiny_llama import TOKENIZER_CLASS
+
+    return {
+        "shape": dataclasses.asdict(shape),
+        "seed": SEED,
+        "tokenizer_class": TOKENIZER_CLASS,
+    }
 
 
 def ensure(shape: Shape = DEFAULT, out_dir: pathlib.Path | None = None) -> str:
     """The model folder, built first if it is not there (or incomplete)."""
     out_dir = pathlib.Path(out_dir or default_dir(shape))
     marker = out_dir / "build.json"
-    if not marker.exists() or json.loads(marker.read_text())["shape"] != (
-        dataclasses.asdict(shape)
-    ):
+    if not marker.exists() or json.loads(marker.read_text()) != _record(shape):
         # Build next to it and rename: a half-written folder is never used.
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
         build(tmp, shape)

@@ -9,6 +9,7 @@ head size 32 (CPU_ATTN supports 32, 64, ...), 2 KV heads for 4 query heads.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import random
 import sys
@@ -114,6 +115,9 @@ def _corpus(rng: random.Random, lines: int = 4000) -> list[str]:
     return out
 
 
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
 def build_tokenizer(out_dir: pathlib.Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -133,6 +137,13 @@ def build_tokenizer(out_dir: pathlib.Path):
     )
     fast.model_max_length = 4096
     fast.save_pretrained(out_dir)
+    # transformers 5 (vLLM 0.32's) names the class "TokenizersBackend", which
+    # transformers 4 (vLLM 0.11.2's) cannot load; both load this name, so a
+    # model built by either release's environment serves on both.
+    config_path = pathlib.Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = TOKENIZER_CLASS
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     return fast
 
 
