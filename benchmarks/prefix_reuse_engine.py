@@ -35,8 +35,9 @@ class EngineServer:
     and, where a run records more, ``before_run``/``after_run``."""
 
     def __init__(self, spec: dict) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in-process
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc
+        from vllm_overlay.testing import in_process_engine
+
+        in_process_engine()  # worker in this process; collective_rpc allowed
         os.environ.update(spec.get("env") or {})
 
         import torch

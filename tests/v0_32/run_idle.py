@@ -16,7 +16,6 @@ the seconds the loads were held.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 import time
@@ -25,7 +24,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 from result_out import records  # noqa: E402
 from run_llm import prompts  # noqa: E402
 
-from vllm_overlay.testing import cpu_defaults, tiny_engine_args  # noqa: E402
+from vllm_overlay.testing import (  # noqa: E402
+    cpu_defaults,
+    in_process_engine,
+    tiny_engine_args,
+)
 from vllm_overlay.testing.v0_32 import offload_connector  # noqa: E402
 
 
@@ -47,8 +50,7 @@ def hold_loads(worker, hold_s: float) -> bool:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc fn
+    in_process_engine()  # the engine core and worker here; collective_rpc fn
     from vllm import LLM, SamplingParams
 
     llm = LLM(**tiny_engine_args(kv_transfer_config=offload_connector()))
