@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import time
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -103,8 +104,29 @@ def node(url: str, log: pathlib.Path) -> dict:
         return {
             "passes": [first, second],
             "counters": counters(port),
-            "log": log.read_text(errors="replace"),
+            "log": logged_stats(
+                log, ("OverlayOffloadingConnector", "SharedKVPoolConnector")
+            ),
         }
+
+
+def logged_stats(
+    log: pathlib.Path, names: tuple[str, ...], deadline_s: float = 20.0
+) -> str:
+    """The server's log once vLLM's periodic stats logger has logged a
+    "KV Transfer metrics" line for each connector in ``names`` (the logger
+    runs on its own interval, so the last line can come after the last
+    answer), or whatever it holds at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        text = log.read_text(errors="replace")
+        lines = [line for line in text.splitlines() if "KV Transfer metrics" in line]
+        if (
+            all(any(n in line for line in lines) for n in names)
+            or time.monotonic() > end
+        ):
+            return text
+        time.sleep(0.2)
 
 
 def test_two_served_nodes_host_then_pool(tmp_path):
