@@ -17,6 +17,11 @@ DIR holds ``"fs_files"`` block files and reports how many it holds.
 Redis/Valkey pool) as the secondary tier; the runner waits until the pool
 holds ``"pool_values"`` values and reports how many it holds.
 ``"passes"``: which passes to run (default all three, in order).
+With a tiering spec the result names the primary tier's shared-memory file
+(``region_file``) and whether it still had a name at the end, while the
+engine ran (``region_named``).  ``"exit": "abrupt"``: the process ends with
+``os._exit`` once the result is written, as a killed engine would: no
+shutdown, no finalizer.
 ``"model": "mla"``: the tiny DeepSeek (MLA, the ``CPU_MLA`` backend)
 instead of the tiny Llama; it runs without a device prefix cache.
 
@@ -146,10 +151,18 @@ def main(config: dict) -> dict:
             reset()  # steps the engine: finished stores cascade to the tier
             time.sleep(0.2)
         out[name] = values
+    if kv is not None and "spec_name" in kv.kv_connector_extra_config:
+        engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+        region = pathlib.Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
+        out["region_file"] = str(region)
+        out["region_named"] = region.exists()
     return out
 
 
 if __name__ == "__main__":
     from result_out import emit
 
-    emit(main(json.loads(sys.argv[1])))
+    config = json.loads(sys.argv[1])
+    emit(main(config))
+    if config.get("exit") == "abrupt":
+        os._exit(0)

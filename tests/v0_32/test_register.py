@@ -24,6 +24,7 @@ def test_the_0_32_patch_set_is_registered(result):
         "MLA32-01",
         "OF32-01",
         "OF32-02",
+        "OF32-03",
         "PP32-01",
         "PP32-02",
         "PP32-03",

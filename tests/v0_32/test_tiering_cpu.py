@@ -14,10 +14,16 @@ configured with upstream's keys (``spec_name``, ``secondary_tiers``).
   first hit, so that hit was read from the fs tier, promoted to the primary
   tier and loaded.  The fs blocks serve an engine on the other layout too
   (cross-layer ``BLHNC``: one run per block of every layer, the same bytes).
+* The primary tier's /dev/shm file has no name left while the engine runs
+  (OF32-03), so no exit leaks it; without OF32-03 an engine that ends
+  without shutting its worker down (``os._exit``, as if killed) leaves it
+  behind.
 * Without OF32-02 the overlay refuses the spec on CPU, stock 0.32 too.
 """
 
 from __future__ import annotations
+
+import pathlib
 
 import pytest
 from conftest import run
@@ -42,6 +48,25 @@ def test_the_primary_tier_serves_like_stock(first, stock):
     assert_served_like_stock(first, stock)
     assert info["blocks"] == {"store": 4, "load": 4 + 7}
     assert first.result["fs_files"] == 4  # cascaded to the fs tier
+    assert first.result["region_named"] is False  # OF32-03: removed once mapped
+
+
+@pytest.mark.parametrize("skip", ["", "OF32-03"])
+def test_an_abrupt_exit_leaks_the_region_file_only_without_of32_03(
+    tmp_path, stock, skip
+):
+    config = {"connector": True, "fs_dir": str(tmp_path), "passes": ["first"]}
+    r = run(
+        "run_offload.py", {**config, "exit": "abrupt"}, VLLM_OVERLAY_SKIP_PATCHES=skip
+    )
+    region = pathlib.Path(r.result["region_file"])
+    try:
+        assert field(r, 0, "tokens") == field(stock, 0, "tokens")
+        # While the engine ran, and after it ended without a shutdown:
+        assert r.result["region_named"] is bool(skip)
+        assert region.exists() is bool(skip)
+    finally:
+        region.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])

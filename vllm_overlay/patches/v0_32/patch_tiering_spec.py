@@ -17,6 +17,17 @@ chunk is one block (the default ``block_size``) or the cache is one tensor
 persistent tier are for CPU engines with the overlay.
 ``canonical_layout`` is refused on CPU (the overlay's worker moves the
 direct layout only).  Other platforms: upstream's.
+
+The region's file, ``/dev/shm/vllm_offload_<engine_id>.mmap``, is created
+by the first worker (the engine core initializes the workers' KV caches,
+and with them the connector's workers, before it builds the scheduler) and
+joined by the scheduler's manager.  Upstream removes it only when the
+worker shuts down cleanly, so an engine that exits without that shutdown
+(an in-process ``LLM`` at interpreter exit, SIGKILL, the OOM killer) leaves
+the file and its memory behind.  ``get_manager`` (OF32-03) removes the name
+once the scheduler, the last to open it, has mapped it, as upstream's
+``CPUOffloadingSpec`` does after its barrier: the mappings stay valid and
+the kernel frees the memory when the last process exits, however it exits.
 """
 
 import logging
@@ -27,6 +38,7 @@ logger = logging.getLogger("vllm.overlay")
 
 MODULE = "vllm.v1.kv_offload.tiering.spec"
 PATCH_ID = "OF32-02"
+UNLINK_ID = "OF32-03"
 
 
 def create_worker(self, kv_caches):
@@ -40,6 +52,8 @@ def create_worker(self, kv_caches):
             "TieringOffloadingSpec on the CPU platform; remove it from "
             "kv_connector_extra_config"
         )
+    import os
+
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     from vllm_overlay.integration.v0_32.offload_worker import (
@@ -64,13 +78,20 @@ def create_worker(self, kv_caches):
             )
         return region.create_next_worker_view(chunk_bytes)
 
+    def release() -> None:
+        # The scheduler removed the file's name once it mapped it (OF32-03):
+        # nothing left to remove.
+        if region._creator and not os.path.exists(region.mmap_path):
+            region._creator = False
+        region.cleanup()
+
     try:
         worker = CPUPlatformOffloadingWorker(
             kv_caches,
             self.blocks_per_chunk,
             self.num_chunks,
             host=slot,
-            release=region.cleanup,
+            release=release,
         )
     except Exception:
         region.cleanup()
@@ -90,6 +111,28 @@ def create_worker(self, kv_caches):
 
 create_worker.cpu_platform = True  # OF32-01's get_worker: CPU path is here
 
+
+def get_manager(self):
+    manager = REGISTRY.original(UNLINK_ID)(self)
+    import os
+
+    from vllm.platforms import current_platform
+
+    region = self._scheduler_mmap
+    # Only a region the scheduler joined: the workers mapped it before it.
+    if current_platform.is_cpu() and region is not None and not region._creator:
+        try:
+            os.unlink(region.mmap_path)
+            logger.info(
+                "Removed the name of %s: the workers and the scheduler have "
+                "mapped it; its memory is freed when the engine exits",
+                region.mmap_path,
+            )
+        except FileNotFoundError:
+            pass
+    return manager
+
+
 PATCHES = [
     Patch(
         id=PATCH_ID,
@@ -106,5 +149,21 @@ PATCHES = [
         "(llm-d-kv-cache#526; LMCache RFC #4266 open)",
         removal="Drop with OF32-01, once upstream's offloading workers run on "
         "the CPU platform.",
+    ),
+    Patch(
+        id=UNLINK_ID,
+        module=MODULE,
+        target="TieringOffloadingSpec.get_manager",
+        new=get_manager,
+        feature="host offloading on the CPU platform",
+        why="The primary tier's /dev/shm file is removed only by a clean "
+        "worker shutdown; an in-process engine at exit or a killed one leaves "
+        "it (and its memory) behind. Once the scheduler, the last to open it, "
+        "has mapped it, its name is removed, as CPUOffloadingSpec does after "
+        "its barrier: no exit path leaks it.",
+        upstream="none (upstream's CPUOffloadingSpec unlinks after a barrier; "
+        "TieringOffloadingSpec does not)",
+        removal="Drop when TieringOffloadingSpec removes the file once every "
+        "process has mapped it.",
     ),
 ]
