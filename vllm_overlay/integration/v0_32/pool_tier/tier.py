@@ -54,6 +54,7 @@ from vllm_overlay.core.pool.errors import require_dependencies
 from vllm_overlay.core.pool.keys import namespace_tag, pool_key
 from vllm_overlay.core.pool.pool import GRACE_S, KVPool
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
+from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 from vllm_overlay.integration.v0_32.pool_tier import identity, stats
 from vllm_overlay.integration.v0_32.pool_tier.lookups import PoolLookups
 
@@ -222,6 +223,9 @@ class SharedPoolTier(SecondaryTierManager):
             if done is None or value is None:
                 done = (self._refusal(names[i], chunks[i], heads[i], value),)
             out.append((done[0], value is not None))
+        # An engine waiting for this promotion (integration/v0_32/idle_wait)
+        # steps now; the result is queued right after this returns.
+        TRANSFER_DONE.set()
         return out
 
     def _loaded(self, job_id: int, verdicts) -> JobResult:
