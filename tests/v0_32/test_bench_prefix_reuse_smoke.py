@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
+
+from vllm_overlay.testing.redis import missing_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = {  # path -> where vLLM says its hit came from (CacheHitSource)
@@ -26,8 +27,8 @@ SOURCES = {  # path -> where vLLM says its hit came from (CacheHitSource)
 
 
 @pytest.mark.skipif(
-    shutil.which("redis-server") is None, reason="redis-server is not on PATH"
-)
+    missing_server() is not None, reason=str(missing_server())
+)  # the benchmark's default pool server (Valkey)
 def test_prefix_reuse_quick_on_032_runs_every_path(tmp_path):
     json_path = tmp_path / "out.json"
     proc = subprocess.run(
