@@ -20,6 +20,7 @@ CPU platform (OF32-01/02) with a real server.
 
 from __future__ import annotations
 
+import pathlib
 import socket
 
 import pytest
@@ -106,6 +107,10 @@ def test_an_unreachable_pool_serves_every_request(stock):
 
 
 def test_without_pt32_01_the_tier_refuses_to_start():
+    regions = set(pathlib.Path("/dev/shm").glob("vllm_offload_*.mmap"))
     with pytest.raises(AssertionError) as failed:
         fresh(closed_port_url(), VLLM_OVERLAY_SKIP_PATCHES="PT32-01")
     assert "does not name the model config" in str(failed.value)
+    # The worker mapped its host tier's file before the scheduler's tier
+    # refused: the failed engine left no file behind (OF32-02's exit hook).
+    assert set(pathlib.Path("/dev/shm").glob("vllm_offload_*.mmap")) <= regions

@@ -28,6 +28,8 @@ the file and its memory behind.  ``get_manager`` (OF32-03) removes the name
 once the scheduler, the last to open it, has mapped it, as upstream's
 ``CPUOffloadingSpec`` does after its barrier: the mappings stay valid and
 the kernel frees the memory when the last process exits, however it exits.
+A worker whose engine fails to start before that (its scheduler's tiers
+refused) removes the name when its process exits.
 """
 
 import logging
@@ -52,6 +54,8 @@ def create_worker(self, kv_caches):
             "TieringOffloadingSpec on the CPU platform; remove it from "
             "kv_connector_extra_config"
         )
+    import atexit
+    import contextlib
     import os
 
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -68,6 +72,14 @@ def create_worker(self, kv_caches):
         kv_bytes_per_chunk=self.kv_bytes_per_chunk,
         cpu_page_size=self.cpu_page_size_per_worker,
     )
+
+    def forget_name() -> None:
+        # At exit, had the scheduler not mapped the file and removed its
+        # name (OF32-03) because the engine's start failed after this.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(region.mmap_path)
+
+    atexit.register(forget_name)
 
     def slot(chunk_bytes: int):
         if chunk_bytes > self.cpu_page_size_per_worker:
@@ -160,7 +172,8 @@ PATCHES = [
         "worker shutdown; an in-process engine at exit or a killed one leaves "
         "it (and its memory) behind. Once the scheduler, the last to open it, "
         "has mapped it, its name is removed, as CPUOffloadingSpec does after "
-        "its barrier: no exit path leaks it.",
+        "its barrier: no exit path leaks it (an engine whose start fails "
+        "before that: its worker removes the name at exit, in OF32-02).",
         upstream="none (upstream's CPUOffloadingSpec unlinks after a barrier; "
         "TieringOffloadingSpec does not)",
         removal="Drop when TieringOffloadingSpec removes the file once every "
