@@ -271,6 +271,12 @@ def main() -> int:
         "default Python's, 5 ms)",
     )
     ap.add_argument(
+        "--idle-wait-ms",
+        type=float,
+        help="0.32: the longest an engine with only KV-waiting requests "
+        "waits per step (EC32; a diagnostic; default 2 ms)",
+    )
+    ap.add_argument(
         "--vllm",
         help="the release's paths: 0.11.2 or 0.32 (default: the installed vLLM)",
     )
@@ -376,6 +382,7 @@ def main() -> int:
             "pool_inflight_bytes": max(256 << 20, 2 * prompt_kv),
             "url": url,
             "switch_interval_ms": args.switch_interval_ms,
+            "idle_wait_ms": args.idle_wait_ms,
         }
         engines: dict[str, Engine] = {}
         for name in rel.ENGINES:
@@ -521,6 +528,7 @@ def main() -> int:
         "quick": args.quick,
         "vllm": release,
         "switch_interval_ms": args.switch_interval_ms or 1e3 * sys.getswitchinterval(),
+        "idle_wait_ms": args.idle_wait_ms,
     }
     rows = summarise(runs, paths)
     print()
