@@ -70,8 +70,8 @@ def hold_promotions(engine, hold_s: float) -> None:
         return submit(job)
 
     def held():
-        if not since or time.monotonic() < since[0] + hold_s:
-            return [] if since else finished()
+        if since and time.monotonic() < since[0] + hold_s:
+            return []
         return finished()
 
     tier.submit_load, tier.get_finished_jobs = submitted, held

@@ -33,63 +33,51 @@ from __future__ import annotations
 import threading
 
 IDLE_WAIT_S = 0.002  # the longest an idle step waits for a KV transfer
-# Set by this process's CPU offloading worker when a transfer is done.
+# Set by this process's CPU offloading worker when a transfer is done, and
+# by the pool tier when a load has been read.
 TRANSFER_DONE = threading.Event()
 
 
-def waits_only_for_remote_kv(scheduler, passed_over=frozenset()) -> bool:
-    """Every unfinished request waits on the connector (its async load, or
-    for ``passed_over`` ids: its lookup), and nothing else is pending for
-    the next step."""
-    from vllm.v1.request import RequestStatus
-
-    try:
-        if (
-            scheduler.running
-            or scheduler.finished_req_ids
-            or scheduler.finished_recving_kv_req_ids
-            or scheduler.failed_recving_kv_req_ids
-        ):
-            return False
-        queues = (scheduler.waiting, scheduler.kv_holding_waiting)
-    except AttributeError:  # another scheduler class: never wait
-        return False
-    parked = False
-    for queue in queues:
-        for request in queue:
-            status = request.status
-            if status == RequestStatus.WAITING_FOR_REMOTE_KVS or (
-                status == RequestStatus.WAITING and request.request_id in passed_over
-            ):
-                parked = True
-                continue
-            return False
-    return parked
-
-
-def waiting_ids(scheduler) -> frozenset:
-    """The ``WAITING`` requests' ids, when nothing runs (else empty)."""
+def kv_waits(scheduler, passed_over=frozenset()) -> tuple[bool, frozenset]:
+    """Whether every unfinished request waits on the connector (its async
+    load, or for ``passed_over`` ids: its lookup) with nothing else pending
+    for the next step; and, when nothing runs, the ``WAITING`` requests'
+    ids (the next call's ``passed_over``)."""
     from vllm.v1.request import RequestStatus
 
     try:
         if scheduler.running:
-            return frozenset()
+            return False, frozenset()
+        pending = (
+            scheduler.finished_req_ids
+            or scheduler.finished_recving_kv_req_ids
+            or scheduler.failed_recving_kv_req_ids
+        )
         queues = (scheduler.waiting, scheduler.kv_holding_waiting)
-    except AttributeError:
-        return frozenset()
-    return frozenset(
-        r.request_id for q in queues for r in q if r.status == RequestStatus.WAITING
-    )
+    except AttributeError:  # another scheduler class: never wait
+        return False, frozenset()
+    waiting, parked, other = set(), False, bool(pending)
+    for queue in queues:
+        for request in queue:
+            if request.status == RequestStatus.WAITING:
+                waiting.add(request.request_id)
+                if request.request_id in passed_over:
+                    parked = True
+                else:
+                    other = True
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                parked = True
+            else:
+                other = True
+    return parked and not other, frozenset(waiting)
 
 
 def idle_wait(engine) -> bool:
     """Wait (at most ``IDLE_WAIT_S``) if the engine only waits for KV;
     returns whether it waited.  Remembers which requests this step begins
     with waiting (the next call's ``passed_over``)."""
-    scheduler = engine.scheduler
     passed_over = getattr(engine, "kv_idle_passed_over", frozenset())
-    waits = waits_only_for_remote_kv(scheduler, passed_over)
-    engine.kv_idle_passed_over = waiting_ids(scheduler)
+    waits, engine.kv_idle_passed_over = kv_waits(engine.scheduler, passed_over)
     if not waits:
         return False
     if TRANSFER_DONE.wait(IDLE_WAIT_S):
