@@ -284,6 +284,9 @@ def main() -> int:
         "--replot", metavar="JSON", help="print the table, redraw the PNG of a run"
     )
     args = ap.parse_args()
+    for flag in ("switch_interval_ms", "idle_wait_ms"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            ap.error(f"--{flag.replace('_', '-')} must be above 0 ms")
     if args.replot:
         saved = json.loads(pathlib.Path(args.replot).read_text())
         print_table(saved["rows"], saved["meta"], saved["engines"], saved["runs"])
@@ -338,6 +341,8 @@ def main() -> int:
 
     release = args.vllm or installed_vllm()
     rel = release_parts(release)
+    if args.idle_wait_ms and rel is sys.modules[__name__]:
+        ap.error(f"--idle-wait-ms is EC32's bound: vLLM 0.32 only, not {release}")
     paths = [p for p in rel.PATHS if not (args.no_pool and p[3].startswith("pool_"))]
     engines_wanted = {p[3] for p in paths}
     if not args.no_pool:
