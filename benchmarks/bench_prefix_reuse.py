@@ -386,6 +386,7 @@ def main() -> int:
             "host_bytes": max(16 << 20, 4 * prompt_kv),
             "pool_inflight_bytes": max(256 << 20, 2 * prompt_kv),
             "url": url,
+            "server_pid": None if url is None else server.proc.pid,
             "switch_interval_ms": args.switch_interval_ms,
             "idle_wait_ms": args.idle_wait_ms,
         }

@@ -21,7 +21,7 @@ from checks import ideal_hits, pool_trouble  # noqa: E402
 from client import replay  # noqa: E402
 from metrics import add, finished, hits, parse  # noqa: E402
 from proxy import build_app  # noqa: E402
-from workload import WorkloadSpec, generate  # noqa: E402
+from workload import Turn, WorkloadSpec, generate, prefilled_tokens  # noqa: E402
 
 SPEC = WorkloadSpec(
     conversations=4,
@@ -52,6 +52,26 @@ def test_each_turn_extends_the_previous_one_and_the_seed_fixes_it():
     convs = [t.conversation for t in work["turns"]]
     assert convs != sorted(convs)  # interleaved, not one conversation after another
     assert all(3 <= i < SPEC.vocab for t in work["turns"] for i in t.prompt)
+
+
+def test_the_simulation_counts_what_each_router_leaves_to_prefill():
+    """Two conversations of two turns over two nodes, 4-token blocks:
+    round-robin sends each second turn to the node without its first turn,
+    sticky to the one with it (only the new tokens past its full blocks are
+    prefilled)."""
+    a1, b1 = list(range(3, 13)), list(range(20, 30))  # 10 tokens: 2 full blocks
+    a2, b2 = a1 + [40] * 6, b1 + [50] * 6
+    work = {
+        "turns": [
+            Turn(0, 0, 0, a1),
+            Turn(1, 0, 0, b1),
+            Turn(1, 1, 0, b2),  # round-robin: node 0, b1 is on node 1
+            Turn(0, 1, 0, a2),  # node 1, a1 is on node 0
+        ]
+    }
+    assert prefilled_tokens(work, 2, sticky=False, block=4) == 10 + 10 + 16 + 16
+    assert prefilled_tokens(work, 2, sticky=True, block=4) == 10 + 10 + 8 + 8
+    assert prefilled_tokens(work, 1, sticky=False, block=4) == 10 + 10 + 8 + 8
 
 
 def test_ideal_hits_count_the_previous_prompts_full_blocks():
