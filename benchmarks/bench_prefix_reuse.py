@@ -98,6 +98,7 @@ import time
 
 import prefix_reuse_engine
 from prefix_reuse_engine import Engine
+from prefix_reuse_usage import print_read_usage
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -293,6 +294,7 @@ def main() -> int:
         rel = release_parts(saved["meta"].get("vllm", "0.11.2"))
         if hasattr(rel, "print_extra"):
             rel.print_extra(saved["rows"], saved["runs"])
+        print_read_usage(rel.PATHS, saved["runs"])
         png = pathlib.Path(args.png or pathlib.Path(args.replot).with_suffix(".png"))
         plot(saved["rows"], saved["meta"], png)
         print(f"PNG: {png}")
@@ -541,6 +543,7 @@ def main() -> int:
     print_table(rows, meta, info, runs)
     if hasattr(rel, "print_extra"):
         rel.print_extra(rows, runs)
+    print_read_usage(rel.PATHS, runs)
     for p in problems:
         print(f"PROBLEM: {p}")
     out_dir = (

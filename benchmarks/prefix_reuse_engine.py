@@ -49,6 +49,11 @@ class EngineServer:
         if spec.get("switch_interval_ms"):  # the GIL's (a diagnostic)
             sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
         self.spec = spec
+        self.load_usage = None
+        if spec.get("url") and spec.get("connector") in ("pool", "tier"):
+            from prefix_reuse_usage import LoadUsage
+
+            self.load_usage = LoadUsage(spec.get("server_pid"))
         kv = self.before_engine()
 
         from vllm import LLM
@@ -124,6 +129,8 @@ class EngineServer:
         if cmd.get("reset"):
             reset_ok = self.reset()
         before = self._counters()
+        if self.load_usage is not None:
+            self.load_usage.take()  # what came before this run
         self.before_run()
         t0 = time.perf_counter()
         out = self._generate(ids, cmd["max_tokens"])
@@ -144,6 +151,8 @@ class EngineServer:
             "reset_ok": reset_ok,
             "moved": {k: after[k] - before.get(k, 0) for k in after},
         }
+        if self.load_usage is not None:
+            res["read_usage"] = self.load_usage.take()
         self.after_run(res, m)
         return res
 

@@ -5,8 +5,6 @@ wrappers set on the pool tier's and the offloading worker's instances
 
 from __future__ import annotations
 
-import pathlib
-import resource
 import statistics
 import time
 
@@ -37,15 +35,13 @@ class Phases:
         self.t: dict[str, float] = {}
         self.h2d_s = 0.0
         self.steps = 0
-        self.read_usage: dict[str, float] = {}
-        self._read_start = None
         self._load_jobs: set[int] = set()
         self._wrap(scheduler, "schedule", self._step)
         if tier is not None:
             self._wrap(tier, "lookup", self._lookup)
             self._wrap(tier, "submit_load", self._first("tier_submit"))
-            self._wrap(tier, "_into", self._first_value)
-            self._wrap(tier, "_verdicts", self._read_done)
+            self._wrap(tier, "_into", self._first("first_value"))
+            self._wrap(tier, "_verdicts", self._last("read_done"))
             self._wrap(tier, "get_finished_jobs", self._finished)
         if worker is not None:
             self._wrap(worker, "submit_load", self._h2d_submit)
@@ -55,8 +51,6 @@ class Phases:
         self.t = {}
         self.h2d_s = 0.0
         self.steps = 0
-        self.read_usage = {}
-        self._read_start = None
 
     def _step(self, *args) -> None:
         self.steps += 1
@@ -75,18 +69,8 @@ class Phases:
     def _first(self, event: str):
         return lambda out, *args: self.t.setdefault(event, time.monotonic())
 
-    def _first_value(self, out, *args) -> None:
-        # The load thread, its first value's buffers given: where its time,
-        # its process's and the server's go until the last value is checked.
-        if "first_value" not in self.t:
-            self.t["first_value"] = time.monotonic()
-            self._read_start = _usage(self.server_pid)
-
-    def _read_done(self, out, *args) -> None:
-        self.t["read_done"] = time.monotonic()
-        if self._read_start is not None:
-            end = _usage(self.server_pid)
-            self.read_usage = {k: end[k] - v for k, v in self._read_start.items()}
+    def _last(self, event: str):
+        return lambda out, *args: self.t.__setitem__(event, time.monotonic())
 
     def _lookup(self, verdict, *args) -> None:
         now = time.monotonic()
@@ -108,36 +92,6 @@ class Phases:
                 self._load_jobs.discard(r.job_id)
                 self.t["h2d_seen"] = time.monotonic()
                 self.h2d_s += r.transfer_time or 0.0
-
-
-def _schedstat(path: str) -> tuple[float, float]:
-    """(seconds on a core, seconds runnable but waiting for one) of a task,
-    from the scheduler's own accounting (ns)."""
-    with open(path) as f:
-        on, wait, _ = f.read().split()
-    return int(on) / 1e9, int(wait) / 1e9
-
-
-def _usage(server_pid: int | None) -> dict[str, float]:
-    """The calling (load) thread's time on a core and waiting for one, its
-    minor page faults, the whole process's CPU, and the pool server's CPU
-    (all its threads)."""
-    on, wait = _schedstat("/proc/thread-self/schedstat")
-    thread = resource.getrusage(resource.RUSAGE_THREAD)
-    proc = resource.getrusage(resource.RUSAGE_SELF)
-    out = {
-        "cpu_s": on,
-        "runq_s": wait,
-        "minflt": thread.ru_minflt,
-        "process_cpu_s": proc.ru_utime + proc.ru_stime,
-    }
-    if server_pid:
-        try:
-            tasks = pathlib.Path(f"/proc/{server_pid}/task").iterdir()
-            out["server_cpu_s"] = sum(_schedstat(f"{t}/schedstat")[0] for t in tasks)
-        except OSError:  # the server is gone
-            pass
-    return out
 
 
 # -- extra report ----------------------------------------------------------------
@@ -190,40 +144,8 @@ def print_phases(paths: list, loads: tuple, runs: list[dict]) -> None:
         "(host->device copy itself, worker thread)",
         lambda res: ms(res.get("h2d_copy_s", 0.0)),
     )
-    for field, label, fmt in READ_USAGE:
-        row(f"({label})", lambda res, f=field: read_usage(res).get(f), fmt)
     row("(engine steps, arrival to the last token)", lambda r: r.get("steps", 0), ".0f")
     row("TTFT (front end)", lambda res: ms(res["ttft_s"]))
-
-
-# Where the load thread's read went (first value to last checked), per run.
-READ_USAGE = [
-    ("cpu_ms", "read: the load thread on a core", ".1f"),
-    ("runq_ms", "read: the load thread runnable, waiting for a core", ".1f"),
-    ("blocked_ms", "read: the load thread blocked (socket or GIL)", ".1f"),
-    ("others_ms", "read: the engine's other threads on a core", ".1f"),
-    ("server_ms", "read: the pool server on a core", ".1f"),
-    ("minflt", "read: the load thread's minor page faults (count)", ".0f"),
-]
-
-
-def read_usage(res: dict) -> dict[str, float]:
-    """The read's span split by where the load thread was (on a core,
-    waiting for one, blocked), and what else ran meanwhile (ms)."""
-    u, ev = res.get("read_usage") or {}, res.get("events") or {}
-    if "cpu_s" not in u or "read_done" not in ev or "runq_s" not in u:
-        return {}
-    span = ev["read_done"] - ev["first_value"]
-    out = {
-        "cpu_ms": 1e3 * u["cpu_s"],
-        "runq_ms": 1e3 * u["runq_s"],
-        "blocked_ms": 1e3 * (span - u["cpu_s"] - u["runq_s"]),
-        "others_ms": 1e3 * (u["process_cpu_s"] - u["cpu_s"]),
-        "minflt": u["minflt"],
-    }
-    if "server_cpu_s" in u:
-        out["server_ms"] = 1e3 * u["server_cpu_s"]
-    return out
 
 
 def phases(res: dict) -> dict[str, float]:

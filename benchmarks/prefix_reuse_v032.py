@@ -139,9 +139,7 @@ class EngineServer(prefix_reuse_engine.EngineServer):
             tiers = getattr(manager, "secondary_tiers", None) or []
             self.tier = tiers[0] if tiers else None
             self.worker = self.llm.collective_rpc(_offload_worker)[0]
-            self.phases = Phases(
-                self.tier, self.worker, self.scheduler, self.spec.get("server_pid")
-            )
+            self.phases = Phases(self.tier, self.worker, self.scheduler)
 
     def _counters(self) -> dict:
         if self.scheduler.connector is None:
@@ -182,7 +180,6 @@ class EngineServer(prefix_reuse_engine.EngineServer):
         res["events"] = {k: v - arrival for k, v in events.items()}
         res["h2d_copy_s"] = p.h2d_s
         res["steps"] = p.steps
-        res["read_usage"] = p.read_usage
         # the main table's "transfer ms": the pool's read, else the copy
         moved["load_s"] = moved.get("pool_io_s_in") or p.h2d_s
         if moved.get("pool_bytes_in"):

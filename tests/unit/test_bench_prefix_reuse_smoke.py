@@ -70,6 +70,13 @@ def test_prefix_reuse_quick_prints_every_path(tmp_path):
         run["host_pl"]["moved"]["load_copy_calls"]
         > (run["host_cl"]["moved"]["load_copy_calls"])
     )  # per-layer: 2 x layers copies per block; cross-layer: one
+    # the pool read's time, from the kernel's accounting in the engine
+    usage = run["pool"]["read_usage"]
+    assert usage["wall_s"] >= usage["cpu_s"] > 0 and usage["runq_s"] >= 0
+    assert usage["process_cpu_s"] >= usage["cpu_s"] - 0.01
+    assert "server_cpu_s" in usage  # the benchmark's Valkey, by its pid
+    assert not run["host_cl"].get("read_usage")  # no pool there
+    assert "| the load thread on a core |" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
