@@ -7,6 +7,7 @@ the pool changes), and the table printed from it."""
 
 from __future__ import annotations
 
+import gc
 import pathlib
 import resource
 import statistics
@@ -21,6 +22,7 @@ ROWS = [
     ("blocked_ms", "the load thread blocked (socket or GIL)", ".1f"),
     ("others_ms", "the engine's other threads on a core", ".1f"),
     ("server_ms", "the pool server on a core (all its threads)", ".1f"),
+    ("gc_ms", "garbage collection in the engine's process (any thread)", ".1f"),
     ("minflt", "the load thread's minor page faults (count)", ".0f"),
 ]
 
@@ -66,12 +68,16 @@ class LoadUsage:
 
         self._lock = threading.Lock()
         self._total: dict[str, float] = {}
+        self._gc_s = 0.0  # this process's collections, cumulative
+        self._gc_start = 0.0
+        gc.callbacks.append(self._collecting)
         inner = KVPool._load
 
         def _load(pool, client, job):
             # The thread's own figures read last before the load and first
             # after it: the others' reads fall outside its span.
             before = _others(server_pid)
+            before["gc_s"] = self._gc_s
             before.update(_thread())
             start = time.monotonic()
             try:
@@ -79,10 +85,16 @@ class LoadUsage:
             finally:
                 wall = time.monotonic() - start
                 after = _thread()
-                after.update(_others(server_pid))
+                after.update(_others(server_pid), gc_s=self._gc_s)
                 self._add(wall, before, after)
 
         KVPool._load = _load
+
+    def _collecting(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_start
 
     def _add(self, wall: float, before: dict, after: dict) -> None:
         with self._lock:
@@ -114,6 +126,8 @@ def read_usage(res: dict) -> dict[str, float]:
     }
     if "server_cpu_s" in u:
         out["server_ms"] = 1e3 * u["server_cpu_s"]
+    if "gc_s" in u:
+        out["gc_ms"] = 1e3 * u["gc_s"]
     return out
 
 
