@@ -100,6 +100,8 @@ class LoadUsage:
         with self._lock:
             total = self._total
             total["wall_s"] = total.get("wall_s", 0.0) + wall
+            # which thread (for a profiler: perf record --tid)
+            total["load_tid"] = threading.get_native_id()
             for key, value in after.items():
                 if key in before:
                     total[key] = total.get(key, 0) + value - before[key]
