@@ -5,8 +5,9 @@ wrappers set on the pool tier's and the offloading worker's instances
 
 from __future__ import annotations
 
-import statistics
 import time
+
+from prefix_reuse_usage import median_cells
 
 # A reload's timeline, in order: (event, the phase that ends with it).  A
 # phase is the time since the previous event the request went through.
@@ -30,8 +31,7 @@ class Phases:
     worker's instances in this process; ``steps``: the scheduler's steps
     (``schedule`` calls) since ``reset``."""
 
-    def __init__(self, tier, worker, scheduler, server_pid: int | None = None) -> None:
-        self.server_pid = server_pid
+    def __init__(self, tier, worker, scheduler) -> None:
         self.t: dict[str, float] = {}
         self.h2d_s = 0.0
         self.steps = 0
@@ -125,13 +125,8 @@ def print_phases(paths: list, loads: tuple, runs: list[dict]) -> None:
     print("|---|" + "---|" * len(keys))
 
     def row(label: str, value, fmt: str = ".1f") -> None:
-        """One line: per path, the median over rounds of ``value(run's
-        result)`` (None: not measured); left out where nothing was."""
-        cells = []
-        for key in keys:
-            seen = [value(run["paths"][key]) for run in runs if key in run["paths"]]
-            seen = [x for x in seen if x is not None]
-            cells.append(f"{statistics.median(seen):{fmt}}" if seen else "-")
+        """One line, left out where nothing was measured."""
+        cells = median_cells(keys, runs, value, fmt)
         if any(c != "-" for c in cells):
             print(f"| {label} | " + " | ".join(cells) + " |")
 

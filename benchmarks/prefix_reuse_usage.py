@@ -150,9 +150,18 @@ def print_read_usage(paths: list, runs: list[dict]) -> None:
     )
     print("|---|" + "---|" * len(keys))
     for field, label, fmt in ROWS:
-        cells = []
-        for key in keys:
-            seen = [read_usage(run["paths"].get(key, {})).get(field) for run in runs]
-            seen = [x for x in seen if x is not None]
-            cells.append(f"{statistics.median(seen):{fmt}}" if seen else "-")
+        cells = median_cells(
+            keys, runs, lambda res, f=field: read_usage(res).get(f), fmt
+        )
         print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def median_cells(keys: list, runs: list[dict], value, fmt: str) -> list[str]:
+    """A table row's cells: per path key, the median over the rounds that
+    ran it of ``value(the run's result)`` (None: not measured), or "-"."""
+    cells = []
+    for key in keys:
+        seen = [value(run["paths"][key]) for run in runs if key in run["paths"]]
+        seen = [x for x in seen if x is not None]
+        cells.append(f"{statistics.median(seen):{fmt}}" if seen else "-")
+    return cells
