@@ -152,6 +152,10 @@ def main() -> None:
     )
     ap.add_argument("--block", type=int, default=128, help="cache block tokens")
     args = ap.parse_args()
+    if min(args.nodes) < 1 or args.block < 1 or args.seeds < 1:
+        ap.error("--nodes, --block and --seeds must be at least 1")
+    if args.turns and not 1 <= args.turns[0] <= args.turns[1]:
+        ap.error("--turns MIN MAX: 1 <= MIN <= MAX")
     spec = WorkloadSpec(turns=tuple(args.turns) if args.turns else (3, 5))
     if args.simulate:
         simulate(spec, range(args.seed, args.seed + args.seeds), args.nodes, args.block)

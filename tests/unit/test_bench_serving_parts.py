@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -72,6 +73,24 @@ def test_the_simulation_counts_what_each_router_leaves_to_prefill():
     assert prefilled_tokens(work, 2, sticky=False, block=4) == 10 + 10 + 16 + 16
     assert prefilled_tokens(work, 2, sticky=True, block=4) == 10 + 10 + 8 + 8
     assert prefilled_tokens(work, 1, sticky=False, block=4) == 10 + 10 + 8 + 8
+
+
+@pytest.mark.parametrize(
+    "bad", [["--nodes", "0"], ["--block", "0"], ["--seeds", "0"], ["--turns", "5", "3"]]
+)
+def test_the_simulation_refuses_bad_options(bad):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serving" / "workload.py")]
+        + ["--simulate", *bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 2
+        and "must be at least 1" in proc.stderr
+        or ("1 <= MIN <= MAX" in proc.stderr)
+    ), proc.stderr
 
 
 def test_ideal_hits_count_the_previous_prompts_full_blocks():
