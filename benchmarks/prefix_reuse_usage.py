@@ -74,17 +74,19 @@ class LoadUsage:
         inner = KVPool._load
 
         def _load(pool, client, job):
-            # The thread's own figures read last before the load and first
-            # after it: the others' reads fall outside its span.
+            # Nested spans: the others' figures outside the wall clock's,
+            # the wall clock's outside the thread's own (so the thread's
+            # time on a core never exceeds the read's wall time, even for
+            # a load as short as the reads of /proc themselves).
             before = _others(server_pid)
             before["gc_s"] = self._gc_s
-            before.update(_thread())
             start = time.monotonic()
+            before.update(_thread())
             try:
                 return inner(pool, client, job)
             finally:
-                wall = time.monotonic() - start
                 after = _thread()
+                wall = time.monotonic() - start
                 after.update(_others(server_pid), gc_s=self._gc_s)
                 self._add(wall, before, after)
 
