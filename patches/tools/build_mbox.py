@@ -138,7 +138,7 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "run on background threads, each job with a deadline: a bounded\n"
             "RESP reader, cluster-aware raw pipelines, health gates with\n"
             "back-off and a watchdog, one rate-limited logger.",
-            [f"{i:04d}" for i in range(1, 11)],
+            [f"{i:04d}" for i in range(1, 17)],
         ),
         (
             "[KVConnector] SharedKVPoolConnector: share KV blocks across nodes",
@@ -150,7 +150,7 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "its blocks until the load has landed. On CPU, values are read\n"
             "from the socket straight into their KV blocks.\n\n"
             "Semantics of PR #16159, reworked.",
-            ["0011", "0012", "0013", "0014", "0015", "0016"],
+            [f"{i:04d}" for i in range(17, 23)],
         ),
     ],
     "pp-kv-budget": [

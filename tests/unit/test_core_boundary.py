@@ -61,11 +61,17 @@ def test_every_core_module_imports_without_vllm():
             "pool.codec",
             "pool.config",
             "pool.errors",
+            "pool.failures",
             "pool.health",
+            "pool.jobs",
             "pool.keys",
+            "pool.loads",
+            "pool.lookups",
             "pool.pool",
             "pool.ratelog",
             "pool.resp",
+            "pool.stats",
+            "pool.stores",
             "pool.transport",
         )
     }

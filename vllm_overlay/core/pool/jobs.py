@@ -1,0 +1,60 @@
+"""What the pool's threads are handed: a lookup's ticket (its caller polls
+it), a load job, a store job, and the sentinel that stops a thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from vllm_overlay.core.pool.resp import Guard
+
+STOP = object()  # queued last: the thread that takes it ends
+
+
+class LookupTicket:
+    """One lookup's answer: ``present`` (a bool per key) once ``done``;
+    ``None`` when the pool could not answer (a miss)."""
+
+    __slots__ = ("keys", "present", "done", "abandoned", "submitted")
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.present: list[bool] | None = None
+        self.done = False
+        self.abandoned = False
+        self.submitted = time.monotonic()
+
+    def _finish(self, present: list[bool] | None) -> None:
+        self.present = present
+        self.done = True
+
+    @property
+    def hits(self) -> int:
+        """Leading keys present (0 if the pool could not answer)."""
+        if not self.present:
+            return 0
+        return next((i for i, p in enumerate(self.present) if not p), len(self.keys))
+
+
+@dataclasses.dataclass(eq=False)
+class LoadJob:
+    job_id: object
+    keys: list[bytes]
+    n: int  # leading keys fetched
+    size: int  # bytes reserved under the in-flight load limit
+    prepare: object
+    into: object
+    landed: object
+    value_bytes: int
+    deadline: float
+    guard: Guard = dataclasses.field(default_factory=Guard)
+    delivered: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class StoreJob:
+    items: list
+    size: int
+    encode: object
+    on_done: object
+    released: bool = False

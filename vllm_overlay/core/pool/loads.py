@@ -1,0 +1,185 @@
+"""The pool's loads: ``submit_load(job, keys, value_bytes, prepare, into,
+landed)`` / ``poll_loads()``: the load thread sends the GETs (one pipeline
+per server) and reads each value straight into the buffers ``into`` gives,
+calls ``landed`` on each value as it lands (checks) and ``prepare`` on
+them all, so the caller only consumes the result.  ``wait_for_loads`` lets
+an idle engine sleep until a load is done.  A mixin of ``KVPool``
+(pool.py), whose constructor sets the state named below."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import queue
+import threading
+import time
+
+from vllm_overlay.core.pool.config import PoolConfig
+from vllm_overlay.core.pool.errors import Failure
+from vllm_overlay.core.pool.health import READ
+from vllm_overlay.core.pool.jobs import LoadJob
+from vllm_overlay.core.pool.resp import MAX_VALUE_BYTES, command
+from vllm_overlay.core.pool.stats import PoolStats
+from vllm_overlay.core.pool.transport import Redirected, exchange
+
+# Set by the load thread of every KVPool of this process when a load is
+# done; ``KVPool.wait_for_loads`` waits on it (the engine, while it has
+# nothing to run but requests waiting for their loads).
+LOADS_DONE = threading.Event()
+
+
+class PoolLoads:
+    config: PoolConfig
+    stats: PoolStats
+    _lock: threading.Lock
+    _inflight_load: int
+    _pending_loads: int
+    _loads: set
+    _loads_done: collections.deque
+    _load_q: queue.Queue
+
+    def submit_load(
+        self,
+        job_id,
+        keys: list[bytes],
+        value_bytes: int = 0,
+        prepare=None,
+        into=None,
+        max_keys: int | None = None,
+        landed=None,
+    ) -> int:
+        """Fetch ``keys`` in the background.  With ``value_bytes`` (the size
+        of one value), only the leading keys that fit under the in-flight
+        load limit (and ``max_keys``) are fetched; the others come back as
+        None, so the caller reports them as load errors and vLLM recomputes
+        them.  While reads are paused none is fetched (the job is done at
+        once).  ``into(i, length)`` may give the buffers (a list of writable
+        memoryviews of ``length`` bytes in all) that value ``i`` is read
+        into, straight from the socket: it then comes back as an
+        ``InPlace``; otherwise (or when ``into`` answers None) as bytes (at
+        most ``value_bytes`` of them: a longer value comes back as an
+        ``Oversized``).  ``landed(i, value)`` runs on the load thread as
+        soon as value ``i`` is read, before the next one is parsed.
+        ``prepare`` (values -> anything) runs once all are read (or the job
+        failed); ``poll_loads`` then returns its result instead of the
+        values.  The job is done within ``io_timeout_s`` (plus a second)
+        whatever the server does.  Returns the number of keys fetched."""
+        self._need_io_threads()
+        limit = self.config.load_limit_bytes
+        with self._lock:
+            n = len(keys) if max_keys is None else min(len(keys), max_keys)
+            if value_bytes:
+                room = max(0, limit - self._inflight_load)
+                n = min(n, room // value_bytes)
+            limited = len(keys) - n
+            if not self.reads_open():
+                n = 0
+            size = n * value_bytes
+            self._inflight_load += size
+            self.stats.limited_loads += limited
+            self._pending_loads += 1
+            job = LoadJob(
+                job_id,
+                keys,
+                n,
+                size,
+                prepare,
+                into,
+                landed,
+                value_bytes,
+                time.monotonic() + self.config.io_timeout_s,
+            )
+            self._loads.add(job)
+        if limited and n:
+            self._warn_dropped("load", n, limited, limit)
+        if n:
+            self._load_q.put(job)
+        else:  # nothing to fetch: done now (prepare sees no values)
+            self._deliver(job, [None] * len(keys))
+        return n
+
+    def poll_loads(self) -> list[tuple[object, object]]:
+        done = []
+        while self._loads_done:
+            done.append(self._loads_done.popleft())
+        return done
+
+    def wait_for_loads(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for a load of any pool of this process
+        to be done (for an engine with nothing else to do); True if one was.
+        Waits on nothing but that signal (never the network)."""
+        if LOADS_DONE.wait(timeout_s):
+            LOADS_DONE.clear()
+            return True
+        return False
+
+    def _deliver(self, job: LoadJob, values: list) -> None:
+        """Hand a load's result to its caller, once (the load thread, or the
+        watchdog for a load past its deadline, whichever is first)."""
+        with self._lock:
+            if job.delivered:
+                return
+            job.delivered = True
+            self._loads.discard(job)
+            self._pending_loads -= 1
+            self._inflight_load -= job.size
+        result = values
+        if job.prepare is not None:
+            try:
+                result = job.prepare(values)
+            except Exception as exc:  # noqa: BLE001 - a bug: the caller sees None
+                self._internal("preparing a load", exc)
+                result = None
+        self._loads_done.append((job.job_id, result))
+        LOADS_DONE.set()
+
+    def _load(self, client, job: LoadJob) -> None:
+        keys, n, into, landed = job.keys, job.n, job.into, job.landed
+        values: list = [None] * len(keys)
+        try:
+            if not self.reads_open() or job.guard.cancelled:
+                return
+            start = time.perf_counter()
+            answers = exchange(
+                client,
+                self.config.cluster,
+                [
+                    (
+                        key,
+                        [command(b"GET", key)],
+                        None if into is None else functools.partial(into, i),
+                    )
+                    + (() if landed is None else (functools.partial(landed, i),))
+                    for i, key in enumerate(keys[:n])
+                ],
+                deadline=job.deadline,
+                guard=job.guard,
+                max_bulk_bytes=job.value_bytes or MAX_VALUE_BYTES,
+            )
+            bad_keys = []
+            for i, answer in enumerate(answers):
+                if isinstance(answer, Redirected):
+                    continue  # a cluster moving slots: a miss, no pause
+                if isinstance(answer, Exception):
+                    if self._failed(answer, "load", READ) is Failure.BAD_KEY:
+                        bad_keys.append(keys[i])
+                elif answer is not None:
+                    values[i] = answer
+            if bad_keys:
+                self.submit_delete(bad_keys)
+            with self._lock:
+                self.stats.bytes_in += sum(len(v) for v in values if v is not None)
+                self.stats.io_seconds_in += time.perf_counter() - start
+            self._ok(READ)
+        except Exception as exc:  # noqa: BLE001 - this job fails, nothing else
+            values = [None] * len(keys)
+            if not job.guard.cancelled:  # (cancelled: the watchdog said so)
+                self._failed(exc, "load", READ)
+        finally:
+            self._deliver(job, values)
+
+    def record_load(self, loaded: int, failed: int, bad_signatures: int = 0) -> None:
+        with self._lock:
+            self.stats.loaded_blocks += loaded
+            self.stats.load_failures += failed
+            self.stats.bad_signatures += bad_signatures
