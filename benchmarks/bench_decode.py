@@ -84,7 +84,6 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_prefix_reuse import _loadavg, _stats  # noqa: E402
 from decode_release import (  # noqa: E402
     LAYOUTS,
     as_built,
@@ -92,6 +91,7 @@ from decode_release import (  # noqa: E402
     kv_bytes_per_token,
     run_release,
 )
+from prefix_reuse_report import loadavg, spread  # noqa: E402
 
 # KV-heavy shape (see the docstring): build_bench_llama.Shape fields.
 MODEL_SHAPE = {
@@ -124,11 +124,11 @@ def summarise(releases: list[dict]) -> list[dict]:
                     "context": cells[0]["context"],
                     "batch": cells[0]["batch"],
                     "decode_steps": cells[0]["runs"]["stock"]["decode_steps"],
-                    "stock_tok_s": _stats(tok["stock"]),
-                    "cross_tok_s": _stats(tok["cross-layer"]),
-                    "ratio": _stats(ratio),
+                    "stock_tok_s": spread(tok["stock"]),
+                    "cross_tok_s": spread(tok["cross-layer"]),
+                    "ratio": spread(ratio),
                     "ratio_ci": median_ci(ratio),
-                    "median_step_ratio": _stats(step_ratio),
+                    "median_step_ratio": spread(step_ratio),
                     "median_step_ratio_ci": median_ci(step_ratio),
                     "same_tokens": sum(
                         x["runs"]["stock"]["tokens"]
@@ -331,7 +331,7 @@ def main() -> int:
         return 0
 
     started = time.perf_counter()
-    load_start = _loadavg()
+    load_start = loadavg()
     pythons = args.python or [sys.executable]
     model = ensure_model(args, pythons[0])
     cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
@@ -369,7 +369,7 @@ def main() -> int:
         "threads": args.threads,
         "cpus": os.cpu_count(),
         "loadavg_start": load_start,
-        "loadavg_end": _loadavg(),
+        "loadavg_end": loadavg(),
         "wall_s": time.perf_counter() - started,
         "quick": args.quick,
         "control": args.control,

@@ -40,8 +40,8 @@ from __future__ import annotations
 import time
 
 import prefix_reuse_engine
-from bench_prefix_reuse import check_round as check_paths
 from prefix_reuse_phases import Phases, print_phases
+from prefix_reuse_report import check_round as check_paths
 
 # (key, label in the table, where the KV comes from, engine)
 PATHS = [

@@ -12,11 +12,11 @@ import logging
 import threading
 
 from vllm_overlay import envs
+from vllm_overlay.envs import env_features  # noqa: F401  (re-exported)
 from vllm_overlay.version_gate import (  # noqa: F401  (re-exported)
     RELEASES,
     SUPPORTED_RELEASES,
     UnsupportedVLLMVersion,
-    env_features,
     feature_runs_on,
     installed_vllm_version,
     is_supported_version,

@@ -75,12 +75,12 @@ def _plugin_line() -> str:
 def _expected_outcome(version: str | None) -> str:
     """What ``register()`` will decide in a vLLM process (no vLLM import)."""
     import vllm_overlay
-    from vllm_overlay import envs, version_gate
+    from vllm_overlay import envs
 
     if envs.DISABLE.flag():
         return f"disabled by {envs.DISABLE.name}"
     if not vllm_overlay.is_supported_version(version):
-        refused = version_gate.env_features()
+        refused = envs.env_features()
         error = f"; an error: {', '.join(refused)}" if refused else ""
         return f"unsupported vLLM {version}{error}"
     return "applied"

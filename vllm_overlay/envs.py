@@ -52,6 +52,17 @@ SKIP_PATCHES = EnvVar(
 ALL = (DISABLE, STRICT, SKIP_PATCHES)
 
 
+def env_features() -> list[str]:
+    """The overlay's environment switches set to something only the overlay
+    can do (``VLLM_OVERLAY_DISABLE=1`` asks for stock vLLM: not one)."""
+    found = []
+    if STRICT.flag():
+        found.append(f"{STRICT.name}={STRICT.raw()}")
+    if SKIP_PATCHES.items():
+        found.append(f"{SKIP_PATCHES.name}={SKIP_PATCHES.raw()}")
+    return found
+
+
 def cross_layer_patches_on() -> bool:
     """Whether this process may allocate cross-layer blocks: the plugin is
     on and its layout patches (CL-09, CL-10) are not skipped."""

@@ -230,19 +230,6 @@ def require_supported(*features: str) -> None:
         raise unsupported_error(list(features), version)
 
 
-def env_features() -> list[str]:
-    """The overlay's environment switches set to something only the overlay
-    can do (``VLLM_OVERLAY_DISABLE=1`` asks for stock vLLM: not one)."""
-    from vllm_overlay import envs
-
-    found = []
-    if envs.STRICT.flag():
-        found.append(f"{envs.STRICT.name}={envs.STRICT.raw()}")
-    if envs.SKIP_PATCHES.items():
-        found.append(f"{envs.SKIP_PATCHES.name}={envs.SKIP_PATCHES.raw()}")
-    return found
-
-
 def _ours(module_path) -> bool:
     return isinstance(module_path, str) and (
         module_path == "vllm_overlay" or module_path.startswith("vllm_overlay.")

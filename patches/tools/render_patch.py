@@ -42,18 +42,18 @@ Names (the overlay's modules and messages) are rewritten by the caller.
 from __future__ import annotations
 
 import ast
-import io
-import re
 import textwrap
-import tokenize
 
-RUNTIME_ONLY = re.compile(
-    r"^[ \t]*# runtime only: begin.*?^[ \t]*# runtime only: end\n", re.M | re.S
+import render_wrapper
+from render_ast import (
+    RUNTIME_ONLY,
+    RenderError,
+    docstring_end,
+    line_span,
+    param_names,
+    signature_end,
+    top_level_def,
 )
-
-
-class RenderError(SystemExit):
-    pass
 
 
 def function_name(new) -> str:
@@ -61,33 +61,6 @@ def function_name(new) -> str:
     for attr in ("__func__", "fget"):
         new = getattr(new, attr, new)
     return new.__name__
-
-
-def _signature_end(lines: list[str], node: ast.FunctionDef) -> int:
-    """The 1-based line of the colon that ends NODE's signature."""
-    text = "".join(lines[node.lineno - 1 : node.end_lineno])
-    depth, seen_def = 0, False
-    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type == tokenize.NAME and tok.string == "def":
-            seen_def = True
-        elif tok.type == tokenize.OP and tok.string in "([{":
-            depth += 1
-        elif tok.type == tokenize.OP and tok.string in ")]}":
-            depth -= 1
-        elif seen_def and depth == 0 and tok.type == tokenize.OP and tok.string == ":":
-            return node.lineno + tok.start[0] - 1
-    raise RenderError(f"no end of signature for {node.name}")
-
-
-def _docstring_end(node: ast.FunctionDef) -> int | None:
-    first = node.body[0]
-    if (
-        isinstance(first, ast.Expr)
-        and isinstance(first.value, ast.Constant)
-        and isinstance(first.value.value, str)
-    ):
-        return first.end_lineno
-    return None
 
 
 def _find(module: ast.Module, target: str):
@@ -138,18 +111,6 @@ def _negated(test: ast.expr) -> str:
     return f"not ({ast.unparse(test)})"
 
 
-def _span(lines: list[str], start: int, end: int, drop: set[int]) -> str:
-    """Lines START..END (1-based, inclusive) without the lines in DROP."""
-    return "".join(lines[i - 1] for i in range(start, end + 1) if i not in drop)
-
-
-def _def(module: ast.Module, name: str) -> ast.FunctionDef:
-    for node in module.body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return node
-    raise RenderError(f"the patch module has no top-level def {name}")
-
-
 def patch_body(source: str, name: str, upstream_imports: set[str]):
     """(docstring, before, fallback test, after) of the function NAME in
     SOURCE (a patch module), dedented; fallback None without one."""
@@ -162,9 +123,9 @@ def patch_body(source: str, name: str, upstream_imports: set[str]):
     if not funcs:
         raise RenderError(f"the patch module has no top-level def {name}")
     func = funcs[0]
-    start = _signature_end(lines, func) + 1
-    doc_end = _docstring_end(func)
-    doc = _span(lines, start, doc_end, set()) if doc_end else ""
+    start = signature_end(lines, func) + 1
+    doc_end = docstring_end(func)
+    doc = line_span(lines, start, doc_end, set()) if doc_end else ""
     body = [n for n in func.body if doc_end is None or n.lineno > doc_end]
     drop = set()
     for node in body:
@@ -177,14 +138,14 @@ def patch_body(source: str, name: str, upstream_imports: set[str]):
     first = (doc_end + 1) if doc_end else start
     fallbacks = [n for n in body if _is_fallback(n)]
     if not fallbacks:
-        text = _span(lines, first, func.end_lineno, drop)
+        text = line_span(lines, first, func.end_lineno, drop)
         return textwrap.dedent(doc), textwrap.dedent(text).lstrip("\n"), None, ""
     fallback = fallbacks[0]
     rest = body[body.index(fallback) + 1 :]
     if not rest or not isinstance(rest[-1], ast.Return | ast.Raise):
         raise RenderError(f"{name}: the body after the fallback must end in return")
-    before = _span(lines, first, fallback.lineno - 1, drop)
-    after = _span(lines, fallback.end_lineno + 1, func.end_lineno, drop)
+    before = line_span(lines, first, fallback.lineno - 1, drop)
+    after = line_span(lines, fallback.end_lineno + 1, func.end_lineno, drop)
     return (
         textwrap.dedent(doc),
         textwrap.dedent(before).lstrip("\n"),
@@ -193,28 +154,19 @@ def patch_body(source: str, name: str, upstream_imports: set[str]):
     )
 
 
-def _params(node: ast.FunctionDef) -> list[str]:
-    a = node.args
-    return [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]] + [
-        f"*{x.arg}" for x in (a.vararg, a.kwarg) if x is not None
-    ]
-
-
 def edit(upstream: str, target: str, source: str, name: str) -> str:
     """UPSTREAM (a file's text) with TARGET's body replaced by the body of
     the function NAME of the patch module SOURCE (the convention above)."""
     tree = ast.parse(upstream)
     lines = upstream.splitlines(keepends=True)
     cls, node = _find(tree, target)
-    import render_wrapper
-
     wrapper = render_wrapper.wrapper_body(source, name, _top_imports(tree))
     if wrapper is not None:
         if node is None:
             raise RenderError(f"{target}: upstream has no such function to wrap")
         return render_wrapper.edit_wrapped(lines, node, wrapper, target)
     doc, before, test, after = patch_body(source, name, _top_imports(tree))
-    patch_func = _def(ast.parse(RUNTIME_ONLY.sub("", source)), name)
+    patch_func = top_level_def(ast.parse(RUNTIME_ONLY.sub("", source)), name)
     if node is None:
         if cls is None or test is not None:
             raise RenderError(f"{target}: upstream has no such function to edit")
@@ -225,10 +177,10 @@ def edit(upstream: str, target: str, source: str, name: str) -> str:
         block = "\n" + textwrap.indent(textwrap.dedent(added), indent)
         at = cls.end_lineno
         return "".join(lines[:at]) + block + "".join(lines[at:])
-    if _params(node) != _params(patch_func):
+    if param_names(node) != param_names(patch_func):
         raise RenderError(
-            f"{target}: parameters {_params(patch_func)} differ from "
-            f"upstream's {_params(node)}"
+            f"{target}: parameters {param_names(patch_func)} differ from "
+            f"upstream's {param_names(node)}"
         )
     if "REGISTRY" in before + after:
         raise RenderError(
@@ -236,11 +188,13 @@ def edit(upstream: str, target: str, source: str, name: str) -> str:
             "form (if COND: return REGISTRY.original(ID)(...)): a wrapper of "
             "upstream's function does not render (render_patch's docstring)"
         )
-    start = _signature_end(lines, node) + 1
-    doc_end = _docstring_end(node)
+    start = signature_end(lines, node) + 1
+    doc_end = docstring_end(node)
     indent = " " * node.body[0].col_offset
-    old_doc = _span(lines, start, doc_end, set()) if doc_end else ""
-    original = _span(lines, (doc_end + 1) if doc_end else start, node.end_lineno, set())
+    old_doc = line_span(lines, start, doc_end, set()) if doc_end else ""
+    original = line_span(
+        lines, (doc_end + 1) if doc_end else start, node.end_lineno, set()
+    )
     if test is None:
         body = textwrap.indent(doc, indent) if doc else old_doc
         body += textwrap.indent(before, indent)

@@ -12,14 +12,14 @@ import io
 import textwrap
 import tokenize
 
-from render_patch import (
+from render_ast import (
     RUNTIME_ONLY,
     RenderError,
-    _def,
-    _docstring_end,
-    _params,
-    _signature_end,
-    _span,
+    docstring_end,
+    line_span,
+    param_names,
+    signature_end,
+    top_level_def,
 )
 
 
@@ -83,8 +83,8 @@ def wrapper_body(source: str, name: str, upstream_imports: set[str]):
     not call upstream's function."""
     source = RUNTIME_ONLY.sub("", source)
     lines = source.splitlines(keepends=True)
-    func = _def(ast.parse(source), name)
-    doc_end = _docstring_end(func)
+    func = top_level_def(ast.parse(source), name)
+    doc_end = docstring_end(func)
     body = [n for n in func.body if doc_end is None or n.lineno > doc_end]
     calls = [
         i
@@ -128,13 +128,13 @@ def wrapper_body(source: str, name: str, upstream_imports: set[str]):
     def text(nodes: list[ast.stmt]) -> str:
         if not nodes:
             return ""
-        span = _span(lines, nodes[0].lineno, nodes[-1].end_lineno, drop)
+        span = line_span(lines, nodes[0].lineno, nodes[-1].end_lineno, drop)
         return textwrap.dedent(span).lstrip("\n")
 
-    start = _signature_end(lines, func) + 1
-    doc = textwrap.dedent(_span(lines, start, doc_end, set())) if doc_end else ""
+    start = signature_end(lines, func) + 1
+    doc = textwrap.dedent(line_span(lines, start, doc_end, set())) if doc_end else ""
     used = _uses(before + after) - ({result} if result else set())
-    params = [p.lstrip("*") for p in _params(func)]
+    params = [p.lstrip("*") for p in param_names(func)]
     return Wrapper(doc, text(before), text(after), result, used, params)
 
 
@@ -180,27 +180,27 @@ def _returns(node: ast.FunctionDef) -> list[ast.Return]:
 
 def edit_wrapped(lines, node, wrapper: Wrapper, target: str) -> str:
     """Upstream's function NODE (in LINES) with WRAPPER's steps written in."""
-    params = {p.lstrip("*") for p in _params(node)}
+    params = {p.lstrip("*") for p in param_names(node)}
     foreign = wrapper.names & (set(wrapper.params) - params)
     if foreign:
         raise RenderError(
             f"{target}: the wrapper uses {sorted(foreign)}, which "
             "upstream's function does not take"
         )
-    start = _signature_end(lines, node) + 1
-    doc_end = _docstring_end(node)
+    start = signature_end(lines, node) + 1
+    doc_end = docstring_end(node)
     indent = " " * node.body[0].col_offset
     first = (doc_end + 1) if doc_end else start
     head = (
         textwrap.indent(wrapper.docstring, indent)
         if wrapper.docstring
-        else _span(lines, start, doc_end, set())
+        else line_span(lines, start, doc_end, set())
         if doc_end
         else ""
     )
     head += textwrap.indent(wrapper.before, indent)
     if not wrapper.after:
-        body = _span(lines, first, node.end_lineno, set())
+        body = line_span(lines, first, node.end_lineno, set())
         return (
             "".join(lines[: start - 1])
             + head
@@ -222,6 +222,6 @@ def edit_wrapped(lines, node, wrapper: Wrapper, target: str) -> str:
             raise RenderError(f"{target}: upstream already uses {wrapper.result}")
         value = ast.get_source_segment("".join(lines), last.value)
         after = f"{wrapper.result} = {value}\n" + after
-    body = _span(lines, first, last.lineno - 1, set())
+    body = line_span(lines, first, last.lineno - 1, set())
     body += textwrap.indent(after, indent)
     return "".join(lines[: start - 1]) + head + body + "".join(lines[node.end_lineno :])
