@@ -65,6 +65,8 @@ MODULES = {
     "vllm_overlay.connectors.shared_pool": f"{_KV}.shared_pool_connector",
     f"{_POOL}.common": f"{_KV}.shared_pool_connector.common",
     f"{_POOL}.scheduler": f"{_KV}.shared_pool_connector.scheduler",
+    f"{_POOL}.staging": f"{_KV}.shared_pool_connector.staging",
+    f"{_POOL}.loads": f"{_KV}.shared_pool_connector.loads",
     f"{_POOL}.worker": f"{_KV}.shared_pool_connector.worker",
 }
 
@@ -240,17 +242,27 @@ SERIES = {
             "vllm_overlay.connectors.shared_pool.scheduler",
         ),
         (
-            "0019-kv_connector-v1-shared_pool_connector-worker.patch",
+            "0019-kv_connector-v1-shared_pool_connector-staging.patch",
+            "new",
+            "vllm_overlay.connectors.shared_pool.staging",
+        ),
+        (
+            "0020-kv_connector-v1-shared_pool_connector-loads.patch",
+            "new",
+            "vllm_overlay.connectors.shared_pool.loads",
+        ),
+        (
+            "0021-kv_connector-v1-shared_pool_connector-worker.patch",
             "new",
             "vllm_overlay.connectors.shared_pool.worker",
         ),
         (
-            "0020-kv_connector-v1-shared_pool_connector-init.patch",
+            "0022-kv_connector-v1-shared_pool_connector-init.patch",
             "new",
             "vllm_overlay.connectors.shared_pool",
         ),
         (
-            "0021-kv_connector-factory-shared_pool.patch",
+            "0023-kv_connector-factory-shared_pool.patch",
             "append",
             (FACTORY, POOL_REGISTRATION),
         ),

@@ -150,7 +150,7 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "its blocks until the load has landed. On CPU, values are read\n"
             "from the socket straight into their KV blocks.\n\n"
             "Semantics of PR #16159, reworked.",
-            [f"{i:04d}" for i in range(17, 23)],
+            [f"{i:04d}" for i in range(17, 25)],
         ),
     ],
     "pp-kv-budget": [

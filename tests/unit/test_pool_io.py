@@ -209,7 +209,7 @@ def test_stores_send_header_and_payload_as_separate_buffers(server_kind):
 
 # -- the staging ring ---------------------------------------------------------
 def test_ring_hands_out_contiguous_spans_and_reuses_them():
-    from vllm_overlay.connectors.shared_pool.worker import StagingRing
+    from vllm_overlay.connectors.shared_pool.staging import StagingRing
 
     ring = StagingRing(10, 16)
     ptr = ring.rows.data_ptr()

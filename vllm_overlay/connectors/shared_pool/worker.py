@@ -22,19 +22,17 @@ them, so no load ever writes into blocks another request was given."""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
 import logging
-import threading
 
-import numpy
 import torch
 
 from vllm_overlay.connectors.shared_pool.common import (
     PoolMetadata,
     table_layout_tag,
 )
+from vllm_overlay.connectors.shared_pool.loads import WorkerLoads
+from vllm_overlay.connectors.shared_pool.staging import StagingRing
 from vllm_overlay.core.ops.block_copy import gather, scatter
 from vllm_overlay.core.pool import codec
 from vllm_overlay.core.pool.keys import pool_key
@@ -46,93 +44,7 @@ logger = logging.getLogger("vllm.overlay")
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
-class StagingRing:
-    """Host rows ``[slots, block_bytes]`` (pinned with CUDA) allocated once
-    and reused: contiguous spans handed out first in, first out (a span
-    released early keeps its rows until the spans before it are released).
-    With ``header_bytes``, a header row per slot as well (plain memory).
-    Thread-safe; ``allocations`` counts staging buffers ever allocated."""
-
-    def __init__(
-        self, slots: int, block_bytes: int, pin: bool = False, header_bytes: int = 0
-    ) -> None:
-        self.slots = slots
-        self.rows = torch.empty(slots, block_bytes, dtype=torch.uint8, pin_memory=pin)
-        # Touched now, once: a first read into untouched rows pays a page
-        # fault per 4 KiB (measured: the first reload into fresh rows took
-        # up to 2x as long).
-        self.rows.zero_()
-        self.rows_np = self.rows.numpy()
-        self.heads = (
-            numpy.zeros((slots, header_bytes), dtype=numpy.uint8)
-            if header_bytes
-            else None
-        )
-        self.allocations = 1
-        self._lock = threading.Lock()
-        self._spans: collections.deque = collections.deque()  # [start, n, freed]
-        self._head = 0  # one past the last row handed out
-
-    def words(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.rows.view(dtype)
-
-    def alloc(self, n: int) -> tuple[int, int]:
-        """(first row, rows) of the longest free contiguous span of at most
-        ``n`` rows; rows is 0 when none is free."""
-        if n <= 0:
-            return 0, 0
-        with self._lock:
-            while self._spans and self._spans[0][2]:
-                self._spans.popleft()
-            if not self._spans:
-                start, k = 0, min(n, self.slots)
-            else:
-                tail, head = self._spans[0][0], self._head
-                if head > tail:  # free: [head, slots) and [0, tail)
-                    end_free = self.slots - head
-                    if end_free >= n or end_free >= tail:
-                        start, k = head, min(n, end_free)
-                    else:  # wrap: the end stays unused until it frees up
-                        start, k = 0, min(n, tail)
-                else:  # wrapped (or full): free [head, tail)
-                    start, k = head, min(n, tail - head)
-            if k <= 0:
-                return 0, 0
-            self._spans.append([start, k, False])
-            self._head = start + k
-            return start, k
-
-    def release(self, start: int) -> None:
-        with self._lock:
-            for span in self._spans:
-                if span[0] == start and not span[2]:
-                    span[2] = True
-                    break
-            while self._spans and self._spans[0][2]:
-                self._spans.popleft()
-
-    @property
-    def in_use(self) -> int:
-        with self._lock:
-            return sum(n for _, n, freed in self._spans if not freed)
-
-
-@dataclasses.dataclass
-class _ReadyLoad:
-    """A load, checked on the pool's load thread; its good blocks are in
-    the load ring's rows ``good_rows``."""
-
-    start: int = 0  # the ring span
-    good_ids: list[int] = dataclasses.field(default_factory=list)
-    good_rows: list[int] = dataclasses.field(default_factory=list)
-    failed_ids: list[int] = dataclasses.field(default_factory=list)
-    delete_keys: list[bytes] = dataclasses.field(default_factory=list)
-    refused_ids: list[int] = dataclasses.field(default_factory=list)  # integrity
-    refusals: list = dataclasses.field(default_factory=list)  # (key, BadValue)
-    bad_signatures: int = 0
-
-
-class SharedPoolWorker:
+class SharedPoolWorker(WorkerLoads):
     def __init__(self, vllm_config, ns: bytes, pool) -> None:
         self.vllm_config = vllm_config
         self.world_size = vllm_config.parallel_config.world_size
@@ -312,158 +224,6 @@ class SharedPoolWorker:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
         return event
-
-    # -- loads ----------------------------------------------------------------
-    def start_load_kv(self, meta: PoolMetadata) -> None:
-        value_bytes = self._table.block_bytes + codec.HEADER_BYTES
-        for req_id, (block_ids, chain) in meta.loads.items():
-            keys = [self._key(h) for h in chain]
-            start, n = self._load_ring.alloc(len(keys))
-            checked: list = [None] * len(keys)  # filled as values land
-            fetched = self.pool.submit_load(
-                req_id,
-                keys,
-                value_bytes=value_bytes,
-                prepare=functools.partial(
-                    self._prepare_load, block_ids, keys, start, checked
-                ),
-                into=functools.partial(self._load_into, block_ids, start),
-                max_keys=n,
-                landed=functools.partial(
-                    self._check_landed, block_ids, keys, start, checked
-                ),
-            )
-            if n and not fetched:
-                self._load_ring.release(start)
-            # The load ring's span (None: none) is released once its rows
-            # are in the KV cache.
-            self._jobs[req_id] = (block_ids, chain, start if fetched else None)
-
-    def _payload_row(self, block_id: int, row: int):
-        """Where a loaded payload lies: its KV block (direct loads) or its
-        load ring row."""
-        if self._cache_rows is not None:
-            return self._cache_rows[block_id]
-        return self._load_ring.rows_np[row]
-
-    def _load_into(self, block_ids, start: int, i: int, length: int):
-        """Runs on the load thread: where value ``i`` goes (its header row,
-        and its KV block or its payload row), if it has the length of this
-        node's values."""
-        if length != self._table.block_bytes + codec.HEADER_BYTES:
-            return None  # read as bytes, refused by its check
-        return [
-            self._load_ring.heads[start + i].data,
-            self._payload_row(block_ids[i], start + i).data,
-        ]
-
-    def _check_value(
-        self, block_id: int, key: bytes, row: int, value
-    ) -> codec.BadValue | None:
-        """Runs on the load thread: the refusal of one value (None: good)."""
-        return codec.refusal(
-            self.ns,
-            key,
-            value,
-            lambda: (self._load_ring.heads[row], self._payload_row(block_id, row)),
-            self._table.block_bytes,
-            self._layout,
-            self._mac_key,
-        )
-
-    def _check_landed(self, block_ids, keys, start, checked, i: int, value) -> None:
-        """Runs on the load thread as soon as value ``i`` is read: checked
-        in place while the server sends the next ones."""
-        checked[i] = (self._check_value(block_ids[i], keys[i], start + i, value),)
-
-    def _prepare_load(self, block_ids, keys, start, checked, values) -> _ReadyLoad:
-        """Runs on the pool's load thread (or the watchdog's, for a load
-        past its deadline) once the load thread is done writing: each
-        value's check (done as it landed, or now).  With direct loads, a
-        block whose value failed is zeroed here (see _wipe)."""
-        try:
-            ready = self._check_load(block_ids, keys, start, checked, values)
-        except BaseException:
-            self._wipe(block_ids)  # every block is reported failed
-            raise
-        self._wipe(ready.failed_ids)
-        return ready
-
-    def _wipe(self, block_ids) -> None:
-        """Direct loads only: zero the KV blocks of failed values.  Their
-        bytes were read straight into the block (all of a refused value, or
-        part of one cut off), and may hold anything, NaN included.  vLLM
-        recomputes a failed block, but only its filled slots: a block freed
-        first (the request aborted or preempted), or the unfilled tail of a
-        partial block given to another request, would keep them, and the
-        attention kernel multiplies a masked slot's V by 0 (0 x NaN = NaN).
-        vLLM's own KV cache starts zeroed; zeros keep it finite."""
-        if self._cache_rows is not None:
-            for block_id in block_ids:
-                self._cache_rows[block_id].fill(0)
-
-    def _check_load(self, block_ids, keys, start, checked, values) -> _ReadyLoad:
-        ready = _ReadyLoad(start=start)
-        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values)):
-            done = checked[i]
-            exc = done[0] if done is not None else None
-            if done is None or value is None:
-                exc = self._check_value(block_id, key, start + i, value)
-            if exc is not None:
-                ready.failed_ids.append(block_id)
-                if value is not None:  # refused by its check: integrity
-                    ready.refused_ids.append(block_id)
-                    if exc.delete:
-                        ready.delete_keys.append(key)
-                    ready.bad_signatures += exc.signature
-                    ready.refusals.append((key, exc))
-                continue
-            ready.good_ids.append(block_id)
-            ready.good_rows.append(start + i)
-        return ready
-
-    def _finish_loads(self) -> set[str]:
-        """Loads the load thread is done with: scattered into the KV cache
-        (unless read there directly), reported as received; a request
-        finished meanwhile is not reported here (see get_finished)."""
-        done = set()
-        for req_id, ready in self.pool.poll_loads():
-            block_ids, _, start = self._jobs.pop(req_id)
-            if req_id in self._aborted_loads:  # its blocks: no longer wanted
-                if start is not None:
-                    self._load_ring.release(start)
-                continue
-            if ready is None:  # preparing failed (logged): recompute all
-                ready = _ReadyLoad(failed_ids=list(block_ids))
-            self._load_errors.update(ready.failed_ids)
-            self._refused_ids.update(ready.refused_ids)
-            event = None
-            if ready.good_ids and self._cache_rows is None:
-                event = self._scatter(ready.good_ids, ready.good_rows)
-            if start is not None:
-                if event is None:
-                    self._load_ring.release(start)
-                else:
-                    self._unreleased.append((event, start))
-            self.pool.record_load(
-                len(ready.good_ids), len(ready.failed_ids), ready.bad_signatures
-            )
-            for key, exc in ready.refusals:
-                self._log_refusal(key, exc)
-            if ready.delete_keys:  # a bad value is never loaded again
-                self.pool.submit_delete(ready.delete_keys)
-            done.add(req_id)
-        return done
-
-    def _release_read_spans(self) -> None:
-        if self._unreleased:
-            keep = []
-            for event, start in self._unreleased:
-                if event.query():
-                    self._load_ring.release(start)
-                else:
-                    keep.append((event, start))
-            self._unreleased = keep
 
     # -- stores ---------------------------------------------------------------
     def wait_for_save(self, meta: PoolMetadata) -> None:

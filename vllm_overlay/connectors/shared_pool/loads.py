@@ -1,0 +1,197 @@
+"""The load side of the shared pool connector's worker: each request's
+values are fetched by the pool's load thread into the load ring (or, with
+one run per block in host memory, straight into their KV blocks), checked
+there as they land, and on the engine thread only scattered into the KV
+cache (one call per batch) and reported.  A mixin of ``SharedPoolWorker``
+(worker.py), whose constructor and ``register_*`` set the state named
+below; its ``_key``, ``_scatter`` and ``_log_refusal`` are used here."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from vllm_overlay.connectors.shared_pool.common import PoolMetadata
+from vllm_overlay.connectors.shared_pool.staging import StagingRing
+from vllm_overlay.core.pool import codec
+
+
+@dataclasses.dataclass
+class ReadyLoad:
+    """A load, checked on the pool's load thread; its good blocks are in
+    the load ring's rows ``good_rows``."""
+
+    start: int = 0  # the ring span
+    good_ids: list[int] = dataclasses.field(default_factory=list)
+    good_rows: list[int] = dataclasses.field(default_factory=list)
+    failed_ids: list[int] = dataclasses.field(default_factory=list)
+    delete_keys: list[bytes] = dataclasses.field(default_factory=list)
+    refused_ids: list[int] = dataclasses.field(default_factory=list)  # integrity
+    refusals: list = dataclasses.field(default_factory=list)  # (key, BadValue)
+    bad_signatures: int = 0
+
+
+class WorkerLoads:
+    ns: bytes
+    pool: object
+    _table: object
+    _layout: bytes
+    _mac_key: bytes | None
+    _jobs: dict
+    _load_errors: set
+    _refused_ids: set
+    _load_ring: StagingRing | None
+    _cache_rows: object
+    _unreleased: list
+    _aborted_loads: set
+
+    def start_load_kv(self, meta: PoolMetadata) -> None:
+        value_bytes = self._table.block_bytes + codec.HEADER_BYTES
+        for req_id, (block_ids, chain) in meta.loads.items():
+            keys = [self._key(h) for h in chain]
+            start, n = self._load_ring.alloc(len(keys))
+            checked: list = [None] * len(keys)  # filled as values land
+            fetched = self.pool.submit_load(
+                req_id,
+                keys,
+                value_bytes=value_bytes,
+                prepare=functools.partial(
+                    self._prepare_load, block_ids, keys, start, checked
+                ),
+                into=functools.partial(self._load_into, block_ids, start),
+                max_keys=n,
+                landed=functools.partial(
+                    self._check_landed, block_ids, keys, start, checked
+                ),
+            )
+            if n and not fetched:
+                self._load_ring.release(start)
+            # The load ring's span (None: none) is released once its rows
+            # are in the KV cache.
+            self._jobs[req_id] = (block_ids, chain, start if fetched else None)
+
+    def _payload_row(self, block_id: int, row: int):
+        """Where a loaded payload lies: its KV block (direct loads) or its
+        load ring row."""
+        if self._cache_rows is not None:
+            return self._cache_rows[block_id]
+        return self._load_ring.rows_np[row]
+
+    def _load_into(self, block_ids, start: int, i: int, length: int):
+        """Runs on the load thread: where value ``i`` goes (its header row,
+        and its KV block or its payload row), if it has the length of this
+        node's values."""
+        if length != self._table.block_bytes + codec.HEADER_BYTES:
+            return None  # read as bytes, refused by its check
+        return [
+            self._load_ring.heads[start + i].data,
+            self._payload_row(block_ids[i], start + i).data,
+        ]
+
+    def _check_value(
+        self, block_id: int, key: bytes, row: int, value
+    ) -> codec.BadValue | None:
+        """Runs on the load thread: the refusal of one value (None: good)."""
+        return codec.refusal(
+            self.ns,
+            key,
+            value,
+            lambda: (self._load_ring.heads[row], self._payload_row(block_id, row)),
+            self._table.block_bytes,
+            self._layout,
+            self._mac_key,
+        )
+
+    def _check_landed(self, block_ids, keys, start, checked, i: int, value) -> None:
+        """Runs on the load thread as soon as value ``i`` is read: checked
+        in place while the server sends the next ones."""
+        checked[i] = (self._check_value(block_ids[i], keys[i], start + i, value),)
+
+    def _prepare_load(self, block_ids, keys, start, checked, values) -> ReadyLoad:
+        """Runs on the pool's load thread (or the watchdog's, for a load
+        past its deadline) once the load thread is done writing: each
+        value's check (done as it landed, or now).  With direct loads, a
+        block whose value failed is zeroed here (see _wipe)."""
+        try:
+            ready = self._check_load(block_ids, keys, start, checked, values)
+        except BaseException:
+            self._wipe(block_ids)  # every block is reported failed
+            raise
+        self._wipe(ready.failed_ids)
+        return ready
+
+    def _wipe(self, block_ids) -> None:
+        """Direct loads only: zero the KV blocks of failed values.  Their
+        bytes were read straight into the block (all of a refused value, or
+        part of one cut off), and may hold anything, NaN included.  vLLM
+        recomputes a failed block, but only its filled slots: a block freed
+        first (the request aborted or preempted), or the unfilled tail of a
+        partial block given to another request, would keep them, and the
+        attention kernel multiplies a masked slot's V by 0 (0 x NaN = NaN).
+        vLLM's own KV cache starts zeroed; zeros keep it finite."""
+        if self._cache_rows is not None:
+            for block_id in block_ids:
+                self._cache_rows[block_id].fill(0)
+
+    def _check_load(self, block_ids, keys, start, checked, values) -> ReadyLoad:
+        ready = ReadyLoad(start=start)
+        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values)):
+            done = checked[i]
+            exc = done[0] if done is not None else None
+            if done is None or value is None:
+                exc = self._check_value(block_id, key, start + i, value)
+            if exc is not None:
+                ready.failed_ids.append(block_id)
+                if value is not None:  # refused by its check: integrity
+                    ready.refused_ids.append(block_id)
+                    if exc.delete:
+                        ready.delete_keys.append(key)
+                    ready.bad_signatures += exc.signature
+                    ready.refusals.append((key, exc))
+                continue
+            ready.good_ids.append(block_id)
+            ready.good_rows.append(start + i)
+        return ready
+
+    def _finish_loads(self) -> set[str]:
+        """Loads the load thread is done with: scattered into the KV cache
+        (unless read there directly), reported as received; a request
+        finished meanwhile is not reported here (see get_finished)."""
+        done = set()
+        for req_id, ready in self.pool.poll_loads():
+            block_ids, _, start = self._jobs.pop(req_id)
+            if req_id in self._aborted_loads:  # its blocks: no longer wanted
+                if start is not None:
+                    self._load_ring.release(start)
+                continue
+            if ready is None:  # preparing failed (logged): recompute all
+                ready = ReadyLoad(failed_ids=list(block_ids))
+            self._load_errors.update(ready.failed_ids)
+            self._refused_ids.update(ready.refused_ids)
+            event = None
+            if ready.good_ids and self._cache_rows is None:
+                event = self._scatter(ready.good_ids, ready.good_rows)
+            if start is not None:
+                if event is None:
+                    self._load_ring.release(start)
+                else:
+                    self._unreleased.append((event, start))
+            self.pool.record_load(
+                len(ready.good_ids), len(ready.failed_ids), ready.bad_signatures
+            )
+            for key, exc in ready.refusals:
+                self._log_refusal(key, exc)
+            if ready.delete_keys:  # a bad value is never loaded again
+                self.pool.submit_delete(ready.delete_keys)
+            done.add(req_id)
+        return done
+
+    def _release_read_spans(self) -> None:
+        if self._unreleased:
+            keep = []
+            for event, start in self._unreleased:
+                if event.query():
+                    self._load_ring.release(start)
+                else:
+                    keep.append((event, start))
+            self._unreleased = keep
