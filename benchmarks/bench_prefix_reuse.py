@@ -73,12 +73,14 @@ Writes ``benchmarks/results/prefix_reuse.{json,png}`` (``--quick``: under a
 temporary folder unless ``--json``/``--png`` are given).  Exit status 1
 when a path did not happen or its tokens differ from the cold run's.
 
-vLLM 0.32: run from its interpreter (the release is read from the installed
-vLLM, or ``--vllm 0.32``); its paths, engines and checks, with vLLM's hits
-by source and each reload's per-phase attribution, are in
-``prefix_reuse_v032.py`` and ``prefix_reuse_phases.py`` (what both
-releases share: the engine plumbing in ``prefix_reuse_engine.py``; the
-checks, summary, table and plot in ``prefix_reuse_report.py``); it writes
+Each release's paths, engines and checks are in a file of their own:
+0.11.2's in ``prefix_reuse_v0112.py``; 0.32's, with vLLM's hits by source
+and each reload's per-phase attribution, in ``prefix_reuse_v032.py`` and
+``prefix_reuse_phases.py``.  What both share: the engine plumbing
+(``prefix_reuse_engine.py``), the checks, summary, table and plot
+(``prefix_reuse_report.py``), the read's accounting
+(``prefix_reuse_usage.py``).  For vLLM 0.32, run from its interpreter (the
+release is read from the installed vLLM, or ``--vllm 0.32``); it writes
 ``prefix_reuse_v032.{json,png}``:
 
     .venv-0.32/bin/python benchmarks/bench_prefix_reuse.py --quick
@@ -88,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -97,10 +100,8 @@ import sys
 import tempfile
 import time
 
-import prefix_reuse_engine
 from prefix_reuse_engine import Engine
 from prefix_reuse_report import (
-    check_round,  # noqa: F401  (0.11.2's, as release_parts gives it)
     loadavg,
     plot,
     print_table,
@@ -110,103 +111,6 @@ from prefix_reuse_usage import print_read_usage
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-
-# (key, label in the table, where the KV comes from, engine)
-PATHS = [
-    ("cold", "cold recompute", "prefill (no cached KV)", "stock"),
-    ("hit", "device hit (stock prefix cache)", "device cache", "stock"),
-    ("host_cl", "host reload, cross-layer", "host memory", "offload_cl"),
-    ("host_pl", "host reload, per-layer (CL-09 off)", "host memory", "offload_pl"),
-    ("pool", "pool reload, 2nd engine", "the pool", "pool_reader"),
-]
-ENGINES = {
-    "stock": {"connector": None, "env": {"VLLM_OVERLAY_DISABLE": "1"}},
-    "offload_cl": {"connector": "offload", "layout": "cross-layer"},
-    "offload_pl": {
-        "connector": "offload",
-        "layout": "per-layer",
-        "env": {"VLLM_OVERLAY_SKIP_PATCHES": "CL-09"},
-    },
-    "pool_writer": {"connector": "pool", "layout": "cross-layer"},
-    "pool_reader": {"connector": "pool", "layout": "cross-layer"},
-}
-# The connector engines that compute each round's prompt first (storing it).
-PREPARE = ("offload_cl", "offload_pl", "pool_writer")
-STEP_WHILE_WAITING = False  # the writer's store thread sends on its own
-WARM_FROM: dict[str, str] = {}  # engine -> the engine whose warm prompt it runs
-
-
-# -- engine side (a forked child) ---------------------------------------------
-class EngineServer(prefix_reuse_engine.EngineServer):
-    """A 0.11.2 engine: the overlay's connectors, their counters from the
-    worker (in-process), the KV layout from the overlay's log lines."""
-
-    def before_engine(self):
-        from vllm_overlay.testing.observe import LayoutLines
-        from vllm_overlay.testing.v0_11_2 import offload_connector, pool_connector
-
-        self.layout_lines = LayoutLines().attach()
-        spec = self.spec
-        if spec["connector"] == "offload":
-            return offload_connector(cpu_bytes=spec["host_bytes"])
-        if spec["connector"] == "pool":
-            return pool_connector(
-                spec["url"],
-                "prefix-reuse",
-                timeout_s=10.0,
-                connect_timeout_s=2.0,
-                max_inflight_bytes=spec["pool_inflight_bytes"],
-            )
-        return None
-
-    def _info(self) -> dict:
-        if self.spec["connector"] is None:
-            return {}
-        from vllm_overlay.testing.v0_11_2 import connector_info
-
-        return self.llm.collective_rpc(connector_info)[0]
-
-    def _counters(self) -> dict:
-        totals = self._info().get("totals") or {}
-        if self.spec["connector"] == "offload":
-            load, store = totals.get("load", {}), totals.get("store", {})
-            return {
-                "loaded_blocks": load.get("blocks", 0),
-                "loaded_bytes": load.get("bytes", 0),
-                "load_copy_calls": load.get("copy_calls", 0),
-                "load_s": load.get("seconds", 0.0),
-                "stored_blocks": store.get("blocks", 0),
-            }
-        if self.spec["connector"] == "pool":
-            return {
-                "loaded_blocks": totals.get("loaded_blocks", 0),
-                "loaded_bytes": totals.get("bytes_in", 0),
-                "load_s": totals.get("io_seconds_in", 0.0),
-                "stored_blocks": totals.get("stored_blocks", 0)
-                + totals.get("skipped_existing", 0),
-                "load_failures": totals.get("load_failures", 0),
-                "errors": totals.get("errors", 0),
-            }
-        return {}
-
-    def _reset_prefix_cache(self) -> bool:
-        # LLM.reset_prefix_cache returns None in 0.11.2; the scheduler's
-        # call says whether it could.
-        return self.scheduler.reset_prefix_cache()
-
-    def describe(self) -> dict:
-        import resource
-
-        info = self._info()
-        info.pop("totals", None)
-        return {
-            "layout_lines": list(self.layout_lines.lines),
-            "block_size": self.block_size,
-            "num_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-            "engine_s": self.engine_s,
-            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            **info,
-        }
 
 
 def installed_vllm() -> str:
@@ -219,11 +123,13 @@ def installed_vllm() -> str:
 
 
 def release_parts(release: str):
-    """This release's paths, engines, engine server and checks: 0.11.2's
-    are in this file, 0.32's in ``prefix_reuse_v032.py``."""
-    if release.startswith("0.11."):
-        return sys.modules[__name__]
+    """This release's paths, engines, engine server and checks:
+    ``prefix_reuse_v0112.py`` or ``prefix_reuse_v032.py``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    if release.startswith("0.11."):
+        import prefix_reuse_v0112
+
+        return prefix_reuse_v0112
     import prefix_reuse_v032
 
     return prefix_reuse_v032
@@ -243,7 +149,24 @@ def wait_for_pool(pool_keys, before: set, want: int, writer, step: bool) -> list
         time.sleep(0.02)
 
 
-def main() -> int:
+@dataclasses.dataclass
+class Run:
+    """One benchmark run's settings and what it started."""
+
+    args: argparse.Namespace
+    rel: object  # the release's parts (release_parts)
+    paths: list  # the measured paths (rel.PATHS, without the pool's: --no-pool)
+    n_prompt: int
+    max_tokens: int
+    vocab: int
+    engines: dict = dataclasses.field(default_factory=dict)  # name -> Engine
+    server: object = None  # the pool's server (None: --no-pool)
+    pool_keys: object = None  # a client of it, to watch the writer's keys
+    full_blocks: int = 0  # of the prompt: what a cache can hold
+    expect_cached: int = 0  # tokens
+
+
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round")
     ap.add_argument("--rounds", type=int, help="default 3 (--quick: 1)")
@@ -285,34 +208,32 @@ def main() -> int:
     for flag in ("switch_interval_ms", "idle_wait_ms"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             ap.error(f"--{flag.replace('_', '-')} must be above 0 ms")
-    if args.replot:
-        saved = json.loads(pathlib.Path(args.replot).read_text())
-        print_table(saved["rows"], saved["meta"], saved["engines"], saved["runs"])
-        rel = release_parts(saved["meta"].get("vllm", "0.11.2"))
-        if hasattr(rel, "print_extra"):
-            rel.print_extra(saved["rows"], saved["runs"])
-        print_read_usage(rel.PATHS, saved["runs"])
-        png = pathlib.Path(args.png or pathlib.Path(args.replot).with_suffix(".png"))
-        plot(saved["rows"], saved["meta"], png)
-        print(f"PNG: {png}")
-        return 0
-    # Before torch is imported anywhere in this process (libgomp reads it
-    # once): the forked engines inherit it.
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    rounds = args.rounds or (1 if args.quick else 3)
-    n_prompt = args.prompt_tokens or (300 if args.quick else 2100)
-    max_tokens = args.max_tokens or (8 if args.quick else 32)
-    started = time.perf_counter()
-    load_start = loadavg()
+    return ap, args
 
-    sys.path.insert(0, str(ROOT))
-    from vllm_overlay.testing import cpu_defaults, quiet, tiny_model_path
-    from vllm_overlay.testing.redis import missing_server
 
-    cpu_defaults()  # HF offline, nobind, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+def replot(args: argparse.Namespace) -> int:
+    saved = json.loads(pathlib.Path(args.replot).read_text())
+    rel = release_parts(saved["meta"].get("vllm", "0.11.2"))
+    report(rel, saved["rows"], saved["meta"], saved["engines"], saved["runs"])
+    png = pathlib.Path(args.png or pathlib.Path(args.replot).with_suffix(".png"))
+    plot(saved["rows"], saved["meta"], png)
+    print(f"PNG: {png}")
+    return 0
+
+
+def report(rel, rows: list, meta: dict, info: dict, runs: list) -> None:
+    """Every table of a run: the paths', the release's own, the read's."""
+    print_table(rows, meta, info, runs)
+    if hasattr(rel, "print_extra"):
+        rel.print_extra(rows, runs)
+    print_read_usage(rel.PATHS, runs)
+
+
+def model_config(args: argparse.Namespace) -> tuple[str, dict]:
+    """The model folder (``--model``, the tiny model with ``--quick``, else
+    the benchmark model, built once) and its config.json."""
+    from vllm_overlay.testing import tiny_model_path
+
     if args.model:
         model = args.model
     elif args.quick:
@@ -330,25 +251,166 @@ def main() -> int:
         if built.returncode:
             raise SystemExit(f"building the model failed:\n{built.stderr[-3000:]}")
         model = built.stdout.splitlines()[0]
-    cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
+    return model, json.loads((pathlib.Path(model) / "config.json").read_text())
+
+
+def start_engines(run: Run, base: dict, workdir: str, stack) -> None:
+    """Every engine the paths need (each its own process), ready, then the
+    prompt's cacheable blocks from their block size."""
+    wanted = {p[3] for p in run.paths}
+    if run.server is not None:
+        wanted.add("pool_writer")
+    for name in run.rel.ENGINES:
+        if name in wanted:
+            run.engines[name] = Engine(
+                name, {**base, **run.rel.ENGINES[name]}, workdir, run.rel.EngineServer
+            )
+            stack.callback(run.engines[name].stop)
+    for engine in run.engines.values():
+        engine.wait_ready()
+
+
+def warm_up(run: Run) -> None:
+    """Not measured: a full-length prompt of its own through every engine
+    (a cold prefill), then again (its hit or reload path), so first-call
+    costs (kernels, buffers, connections, and what the first long prefill
+    allocates: 1.7-2.4 s extra on the first short prefill after a reload in
+    an engine that never ran a long one, measured) are paid by every engine
+    alike."""
+    warm = {"n": run.n_prompt, "vocab": run.vocab, "max_tokens": 2}
+    seeds = {name: 10_000 + i for i, name in enumerate(run.engines)}
+    for name, engine in run.engines.items():
+        seed = seeds[name]  # no other engine has this prompt's KV...
+        source = run.rel.WARM_FROM.get(name)
+        if source in run.engines:  # ...but this one's: a pool load first
+            seed = seeds[source]
+            wait_for_pool(
+                run.pool_keys,
+                set(),
+                run.full_blocks,
+                run.engines[source],
+                run.rel.STEP_WHILE_WAITING,
+            )
+            engine.call("run", seed=seed, reset=True, **warm)
+        else:
+            engine.call("run", seed=seed, **warm)
+        if run.rel.ENGINES[name]["connector"] is not None:
+            engine.call("run", seed=seed, flush=True, reset=True, **warm)
+        else:
+            engine.call("run", seed=seed, **warm)
+
+
+def measure_round(run: Run, r: int) -> dict:
+    """Round ``r``: a new prompt, computed first by the engines that store
+    it, then every path once, the order rotated from round to round."""
+    engines, rel = run.engines, run.rel
+    seed = run.args.seed + r
+    shift = r % len(run.paths)
+    order = run.paths[shift:] + run.paths[:shift]
+    keys = [p[0] for p in order]
+    cmd = {
+        "seed": seed,
+        "n": run.n_prompt,
+        "vocab": run.vocab,
+        "max_tokens": run.max_tokens,
+    }
+    rec = {"round": r + 1, "seed": seed, "order": keys, "prepare": {}}
+    # The KV every path reuses must exist first: the connector engines
+    # compute the prompt (storing it); the stock engine too when the device
+    # hit comes before the cold run.
+    if "hit" in keys and keys.index("hit") < keys.index("cold"):
+        rec["prepare"]["stock"] = engines["stock"].call("run", **cmd)
+    pool_keys = run.pool_keys
+    before = set(pool_keys.scan_iter(count=1000)) if pool_keys else set()
+    for name in rel.PREPARE:
+        if name in engines:
+            rec["prepare"][name] = engines[name].call("run", **cmd)
+    round_keys = []
+    if "pool_writer" in engines:
+        rec["writer_after_flush"] = engines["pool_writer"].call("flush")
+        # Until every block of the prompt is in the pool: the writer's store
+        # thread may still be sending (a reload measured then would share
+        # the server with it).
+        round_keys = wait_for_pool(
+            pool_keys,
+            before,
+            run.full_blocks,
+            engines["pool_writer"],
+            rel.STEP_WHILE_WAITING,
+        )
+        rec["round_keys"] = len(round_keys)
+    rec["paths"] = {}
+    for key, _label, _src, name in order:
+        time.sleep(0.3)  # let the last engine's threads go idle
+        connector = rel.ENGINES[name]["connector"] is not None
+        rec["paths"][key] = engines[name].call(
+            "run", flush=connector, reset=key != "hit", **cmd
+        )
+        if key == "pool":
+            rec["pool_raw_read_s"] = raw_read(run.server, round_keys, pool_keys)
+    return rec
+
+
+def write_results(run: Run, result: dict) -> None:
+    """The JSON and the PNG (``--quick``: in a temporary folder unless
+    ``--json``/``--png`` say where)."""
+    args = run.args
+    out_dir = (
+        pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-reuse-out-"))
+        if args.quick
+        else RESULTS
+    )
+    stem = run.rel.STEM
+    json_path = pathlib.Path(args.json or out_dir / f"{stem}.json")
+    png_path = pathlib.Path(args.png or out_dir / f"{stem}.png")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    print(f"JSON: {json_path}")
+    try:
+        plot(result["rows"], result["meta"], png_path)
+        print(f"PNG: {png_path}")
+    except ImportError:
+        print("PNG: skipped (matplotlib is not installed)")
+
+
+def main() -> int:
+    ap, args = parse_args()
+    if args.replot:
+        return replot(args)
+    # Before torch is imported anywhere in this process (libgomp reads it
+    # once): the forked engines inherit it.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    rounds = args.rounds or (1 if args.quick else 3)
+    n_prompt = args.prompt_tokens or (300 if args.quick else 2100)
+    max_tokens = args.max_tokens or (8 if args.quick else 32)
+    started = time.perf_counter()
+    load_start = loadavg()
+
+    sys.path.insert(0, str(ROOT))
+    from vllm_overlay.testing import cpu_defaults, quiet
+    from vllm_overlay.testing.redis import missing_server
+
+    cpu_defaults()  # HF offline, nobind, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+    model, cfg = model_config(args)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_per_token = (
         2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
     )
     prompt_kv = n_prompt * kv_per_token
-    vocab = cfg["vocab_size"]
 
     release = args.vllm or installed_vllm()
     rel = release_parts(release)
-    if args.idle_wait_ms and rel is sys.modules[__name__]:
+    if args.idle_wait_ms and rel.RELEASE == "0.11.2":
         ap.error(f"--idle-wait-ms is EC32's bound: vLLM 0.32 only, not {release}")
     paths = [p for p in rel.PATHS if not (args.no_pool and p[3].startswith("pool_"))]
-    engines_wanted = {p[3] for p in paths}
     if not args.no_pool:
-        engines_wanted.add("pool_writer")
         missing = missing_server(args.server)
         if missing:
             raise SystemExit(f"{missing} (or use --no-pool)")
+    run = Run(args, rel, paths, n_prompt, max_tokens, cfg["vocab_size"])
     workdir = tempfile.mkdtemp(prefix="bench-prefix-reuse-")
     print(
         f"prefix reuse: model {model} ({cfg['num_hidden_layers']} layers, hidden "
@@ -369,12 +431,11 @@ def main() -> int:
     from support.redis_server import RedisServer
 
     with contextlib.ExitStack() as stack:
-        url = None
         if not args.no_pool:
-            server = RedisServer(kind=args.server)
-            stack.callback(shutil.rmtree, server.dir, True)
-            stack.callback(server.stop)
-            url = server.url
+            run.server = RedisServer(kind=args.server)
+            stack.callback(shutil.rmtree, run.server.dir, True)
+            stack.callback(run.server.stop)
+        url = None if run.server is None else run.server.url
         base = {
             "model": model,
             "threads": args.threads,
@@ -385,21 +446,13 @@ def main() -> int:
             "host_bytes": max(16 << 20, 4 * prompt_kv),
             "pool_inflight_bytes": max(256 << 20, 2 * prompt_kv),
             "url": url,
-            "server_pid": None if url is None else server.proc.pid,
+            "server_pid": None if url is None else run.server.proc.pid,
             "switch_interval_ms": args.switch_interval_ms,
             "idle_wait_ms": args.idle_wait_ms,
         }
-        engines: dict[str, Engine] = {}
-        for name in rel.ENGINES:
-            if name in engines_wanted:
-                engines[name] = Engine(
-                    name, {**base, **rel.ENGINES[name]}, workdir, rel.EngineServer
-                )
-                stack.callback(engines[name].stop)
-        for engine in engines.values():
-            engine.wait_ready()
+        start_engines(run, base, workdir, stack)
         up_s = time.perf_counter() - started
-        info = {name: e.call("describe") for name, e in engines.items()}
+        info = {name: e.call("describe") for name, e in run.engines.items()}
         block = info["stock"]["block_size"]
         for name, i in info.items():
             if i["num_blocks"] * block < 2 * (n_prompt + max_tokens):
@@ -407,106 +460,38 @@ def main() -> int:
                     f"engine {name}: {i['num_blocks']} KV blocks of {block} "
                     "tokens hold less than two prompts"
                 )
-        full_blocks = (n_prompt - 1) // block
-        expect_cached = full_blocks * block
+        run.full_blocks = (n_prompt - 1) // block
+        run.expect_cached = run.full_blocks * block
         print(
-            f"engines up in {up_s:.0f} s ({', '.join(engines)}); cache block "
-            f"{block} tokens, {full_blocks} full blocks = {expect_cached} tokens "
-            f"({expect_cached * kv_per_token / 2**20:.2f} MiB) can come from a "
-            "cache",
+            f"engines up in {up_s:.0f} s ({', '.join(run.engines)}); cache block "
+            f"{block} tokens, {run.full_blocks} full blocks = {run.expect_cached} "
+            f"tokens ({run.expect_cached * kv_per_token / 2**20:.2f} MiB) can come "
+            "from a cache",
             flush=True,
         )
-
-        # Warm-up (not measured): a full-length prompt of its own through
-        # every engine (a cold prefill), then again (its hit or reload path),
-        # so first-call costs (kernels, buffers, connections, and what the
-        # first long prefill allocates: 1.7-2.4 s extra on the first short
-        # prefill after a reload in an engine that never ran a long one,
-        # measured) are paid by every engine alike.
-        pool_keys = None
         if url is not None:
             import redis
 
-            pool_keys = redis.Redis.from_url(url)
-            stack.callback(pool_keys.close)
-        warm = {"n": n_prompt, "vocab": vocab, "max_tokens": 2}
-        seeds = {name: 10_000 + i for i, name in enumerate(engines)}
-        for name, engine in engines.items():
-            seed = seeds[name]  # no other engine has this prompt's KV...
-            source = rel.WARM_FROM.get(name)
-            if source in engines:  # ...but this one's: a pool load first
-                seed = seeds[source]
-                wait_for_pool(
-                    pool_keys,
-                    set(),
-                    full_blocks,
-                    engines[source],
-                    rel.STEP_WHILE_WAITING,
-                )
-                engine.call("run", seed=seed, reset=True, **warm)
-            else:
-                engine.call("run", seed=seed, **warm)
-            if rel.ENGINES[name]["connector"] is not None:
-                engine.call("run", seed=seed, flush=True, reset=True, **warm)
-            else:
-                engine.call("run", seed=seed, **warm)
+            run.pool_keys = redis.Redis.from_url(url)
+            stack.callback(run.pool_keys.close)
+        warm_up(run)
 
         runs: list[dict] = []
         problems: list[str] = []
         for r in range(rounds):
-            seed = args.seed + r
-            shift = r % len(paths)
-            order = paths[shift:] + paths[:shift]
-            keys = [p[0] for p in order]
-            cmd = {
-                "seed": seed,
-                "n": n_prompt,
-                "vocab": vocab,
-                "max_tokens": max_tokens,
-            }
-            rec = {"round": r + 1, "seed": seed, "order": keys, "prepare": {}}
-            # The KV every path reuses must exist first: the connector
-            # engines compute the prompt (storing it); the stock engine too
-            # when the device hit comes before the cold run.
-            if "hit" in keys and keys.index("hit") < keys.index("cold"):
-                rec["prepare"]["stock"] = engines["stock"].call("run", **cmd)
-            before = set(pool_keys.scan_iter(count=1000)) if pool_keys else set()
-            for name in rel.PREPARE:
-                if name in engines:
-                    rec["prepare"][name] = engines[name].call("run", **cmd)
-            if "pool_writer" in engines:
-                rec["writer_after_flush"] = engines["pool_writer"].call("flush")
-                # Until every block of the prompt is in the pool: the writer's
-                # store thread may still be sending (a reload measured then
-                # would share the server with it).
-                round_keys = wait_for_pool(
-                    pool_keys,
-                    before,
-                    full_blocks,
-                    engines["pool_writer"],
-                    rel.STEP_WHILE_WAITING,
-                )
-                rec["round_keys"] = len(round_keys)
-            rec["paths"] = {}
-            for key, _label, _src, name in order:
-                time.sleep(0.3)  # let the last engine's threads go idle
-                connector = rel.ENGINES[name]["connector"] is not None
-                rec["paths"][key] = engines[name].call(
-                    "run",
-                    flush=connector,
-                    reset=key != "hit",
-                    **cmd,
-                )
-                if key == "pool":
-                    rec["pool_raw_read_s"] = raw_read(server, round_keys, pool_keys)
+            rec = measure_round(run, r)
             runs.append(rec)
-            problems += rel.check_round(rec, expect_cached, n_prompt, full_blocks)
+            problems += rel.check_round(
+                rec, run.expect_cached, n_prompt, run.full_blocks
+            )
             print(
-                f"round {r + 1}/{rounds} done ({', '.join(keys)}): TTFT ms "
-                + ", ".join(f"{k} {1e3 * rec['paths'][k]['ttft_s']:.0f}" for k in keys),
+                f"round {r + 1}/{rounds} done ({', '.join(rec['order'])}): TTFT ms "
+                + ", ".join(
+                    f"{k} {1e3 * rec['paths'][k]['ttft_s']:.0f}" for k in rec["order"]
+                ),
                 flush=True,
             )
-        info = {name: e.call("describe") for name, e in engines.items()}
+        info = {name: e.call("describe") for name, e in run.engines.items()}
         problems += rel.check_layouts(info)
 
     wall = time.perf_counter() - started
@@ -519,7 +504,7 @@ def main() -> int:
         "kv_bytes_per_token": kv_per_token,
         "prompt_tokens": n_prompt,
         "prompt_kv_bytes": prompt_kv,
-        "cacheable_tokens": expect_cached,
+        "cacheable_tokens": run.expect_cached,
         "block_size": block,
         "max_tokens": max_tokens,
         "rounds": rounds,
@@ -537,39 +522,19 @@ def main() -> int:
     }
     rows = summarise(runs, paths)
     print()
-    print_table(rows, meta, info, runs)
-    if hasattr(rel, "print_extra"):
-        rel.print_extra(rows, runs)
-    print_read_usage(rel.PATHS, runs)
+    report(rel, rows, meta, info, runs)
     for p in problems:
         print(f"PROBLEM: {p}")
-    out_dir = (
-        pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-reuse-out-"))
-        if args.quick
-        else RESULTS
+    write_results(
+        run,
+        {
+            "meta": meta,
+            "rows": rows,
+            "engines": info,
+            "runs": runs,
+            "problems": problems,
+        },
     )
-    stem = "prefix_reuse" if rel is sys.modules[__name__] else "prefix_reuse_v032"
-    json_path = pathlib.Path(args.json or out_dir / f"{stem}.json")
-    png_path = pathlib.Path(args.png or out_dir / f"{stem}.png")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(
-        json.dumps(
-            {
-                "meta": meta,
-                "rows": rows,
-                "engines": info,
-                "runs": runs,
-                "problems": problems,
-            },
-            indent=1,
-        )
-    )
-    print(f"JSON: {json_path}")
-    try:
-        plot(rows, meta, png_path)
-        print(f"PNG: {png_path}")
-    except ImportError:
-        print("PNG: skipped (matplotlib is not installed)")
     print(f"wall time {wall:.0f} s (engines up after {up_s:.0f} s)")
     if not problems:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -588,12 +553,6 @@ def raw_read(server, keys: list[bytes], client) -> float | None:
     (size,) = sizes
     return statistics.median(
         read_raw(server.port, keys, size, len(keys)) for _ in range(3)
-    )
-
-
-def check_layouts(info: dict) -> list[str]:
-    return prefix_reuse_engine.check_layouts(
-        ENGINES, info, lambda one: one.get("layout_lines")
     )
 
 

@@ -3,7 +3,7 @@ one vLLM engine in a forked child of the driver, driven over two pipes with
 JSON lines.  ``EngineServer`` is what both releases' engines share (build,
 generate, flush, reset, one measured run); each release's subclass says
 how its connector is configured and what its counters are
-(``bench_prefix_reuse.EngineServer`` for 0.11.2,
+(``prefix_reuse_v0112.EngineServer`` for 0.11.2,
 ``prefix_reuse_v032.EngineServer`` for 0.32)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """vLLM 0.32's half of ``bench_prefix_reuse.py``, run in that release's
 interpreter (``.venv-0.32``): its paths, its engines (forked children, as
 on 0.11.2), what each engine reports, the checks and the extra tables.  The
-driver, the rounds, the summary and the main table are in
-``bench_prefix_reuse.py``.
+driver and the rounds are in ``bench_prefix_reuse.py``, the summary and
+the main table in ``prefix_reuse_report.py``.
 
 The paths:
 
@@ -42,6 +42,9 @@ import time
 import prefix_reuse_engine
 from prefix_reuse_phases import Phases, print_phases
 from prefix_reuse_report import check_round as check_paths
+
+RELEASE = "0.32"
+STEM = "prefix_reuse_v032"  # of the results' file names
 
 # (key, label in the table, where the KV comes from, engine)
 PATHS = [
