@@ -383,12 +383,13 @@ def main() -> int:
     print_table(rows, meta)
     for p in problems:
         print(f"PROBLEM: {p}")
-    out_dir = (
-        pathlib.Path(tempfile.mkdtemp(prefix="bench-decode-out-"))
-        if args.quick
-        else RESULTS
-    )
-    json_path = pathlib.Path(args.json or out_dir / "decode.json")
+    if args.json:
+        json_path = pathlib.Path(args.json)
+    elif args.quick:
+        json_path = pathlib.Path(tempfile.mkdtemp(prefix="bench-decode-out-"))
+        json_path /= "decode.json"
+    else:
+        json_path = RESULTS / "decode.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(
         json.dumps(

@@ -229,12 +229,13 @@ def main() -> None:
     kind = "redis"
     with contextlib.ExitStack() as stack:
         healthy = RedisServer(kind=kind)
+        stack.callback(healthy.close)
         slow_server = RedisServer("--enable-debug-command", "yes", kind=kind)
+        stack.callback(slow_server.close)
         full = RedisServer(
             "--maxmemory", "2mb", "--maxmemory-policy", "noeviction", kind=kind
         )
-        for server in (healthy, slow_server, full):
-            stack.callback(server.stop)
+        stack.callback(full.close)
         # Fill the full one until it refuses writes.
         with contextlib.suppress(redis.exceptions.OutOfMemoryError):
             for i in range(100):

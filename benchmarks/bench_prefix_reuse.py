@@ -355,11 +355,9 @@ def write_results(run: Run, result: dict) -> None:
     """The JSON and the PNG (``--quick``: in a temporary folder unless
     ``--json``/``--png`` say where)."""
     args = run.args
-    out_dir = (
-        pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-reuse-out-"))
-        if args.quick
-        else RESULTS
-    )
+    out_dir = RESULTS
+    if args.quick and not (args.json and args.png):
+        out_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-reuse-out-"))
     stem = run.rel.STEM
     json_path = pathlib.Path(args.json or out_dir / f"{stem}.json")
     png_path = pathlib.Path(args.png or out_dir / f"{stem}.png")
@@ -433,8 +431,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         if not args.no_pool:
             run.server = RedisServer(kind=args.server)
-            stack.callback(shutil.rmtree, run.server.dir, True)
-            stack.callback(run.server.stop)
+            stack.callback(run.server.close)
         url = None if run.server is None else run.server.url
         base = {
             "model": model,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 import time
@@ -118,8 +117,7 @@ def pool_backend(
         from support.redis_server import RedisServer
 
         server = RedisServer(**({"kind": server_kind} if server_kind else {}))
-        stack.callback(shutil.rmtree, server.dir, True)
-        stack.callback(server.stop)
+        stack.callback(server.close)
         backend["url"] = backend["url_0112"] = server.url
         backend["server_kind"] = getattr(server, "kind", "redis")
         previous = backend["flush"]

@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import queue
-import shutil
 import subprocess
 import sys
 import threading
@@ -227,5 +226,4 @@ class Cluster:
             node.stop()
         with contextlib.suppress(Exception):
             self.server.resume()  # a SIGSTOPped server cannot be killed cleanly
-        self.server.stop()
-        shutil.rmtree(self.server.dir, ignore_errors=True)
+        self.server.close()

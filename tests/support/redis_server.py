@@ -59,7 +59,11 @@ class RedisServer:
         self.kind = kind
         self.port = port or free_port(cluster="--cluster-enabled" in extra)
         self.dir = tempfile.mkdtemp(prefix=f"vllm-overlay-{kind}-")
-        self._spawn(extra)
+        try:
+            self._spawn(extra)
+        except BaseException:  # no server: no folder left behind either
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
 
     def _spawn(self, extra: tuple[str, ...] = ()) -> None:
         """Start the server on this port and folder; wait until it answers."""
@@ -97,6 +101,11 @@ class RedisServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        """Stop the server for good and remove its folder."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def pause(self) -> None:
         """Hang the server: SIGSTOP (the kernel still accepts connections,
@@ -180,8 +189,7 @@ def redis_server(*extra: str, kind: str = DEFAULT_KIND):
     try:
         yield server
     finally:
-        server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)
+        server.close()
 
 
 CLUSTER_SLOTS = 16384
@@ -222,5 +230,4 @@ def redis_cluster(nodes: int = 3, kind: str = DEFAULT_KIND):
         yield servers
     finally:
         for s in servers:
-            s.stop()
-            shutil.rmtree(s.dir, ignore_errors=True)
+            s.close()

@@ -124,7 +124,7 @@ def server(request):
     s = RedisServer(kind=request.param)
     yield s
     s.resume()
-    s.stop()
+    s.close()
 
 
 def test_a_node_loads_what_another_stored_byte_for_byte(server):
