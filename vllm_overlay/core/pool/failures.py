@@ -1,8 +1,9 @@
-"""What the pool does with a failure: count it by kind, close the gates it
-closes (``health.Gates``), log it once per kind and pause (rate-limited),
-and, for the watchdog, cancel loads past their deadline and pause the pool
-while one of its threads is stuck.  A mixin of ``KVPool`` (pool.py), whose
-constructor sets the state named below."""
+"""Whether the pool's reads and writes go to the network now
+(``reads_open``, ``writes_open``, ``state``), and what a failure does: count
+it by kind, close the gates it closes (``health.Gates``), log it once per
+kind and pause (rate-limited); for the watchdog, cancel loads past their
+deadline and pause the pool while one of its threads is stuck.  A mixin of
+``KVPool`` (pool.py), whose constructor sets the state named below."""
 
 from __future__ import annotations
 
