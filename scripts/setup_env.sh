@@ -76,5 +76,8 @@ print(f"vLLM {vllm.__version__} on {type(current_platform).__name__}: OK")
 PY
 echo "$stamp" > "$venv/.harness-stamp"
 
-# The second harness: vLLM 0.32 in .venv-0.32 (its own stamp).
+# The second harness: vLLM 0.32 in .venv-0.32 (its own stamp).  exec runs
+# no EXIT trap: the wheel's folder goes first.
+rm -rf "$wheel_dir"
+trap - EXIT
 exec bash "$root/scripts/harness/setup_v0_32.sh"

@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             str(tree / "pytest.ini"),
             "--rootdir",
             str(tree),
+            "--basetemp",  # inside the tree, removed with it
+            str(tree / ".pytest-tmp"),
             *pytest_args,
         ]
         if not any(
