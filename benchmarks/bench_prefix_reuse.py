@@ -162,8 +162,17 @@ class Run:
     engines: dict = dataclasses.field(default_factory=dict)  # name -> Engine
     server: object = None  # the pool's server (None: --no-pool)
     pool_keys: object = None  # a client of it, to watch the writer's keys
-    full_blocks: int = 0  # of the prompt: what a cache can hold
-    expect_cached: int = 0  # tokens
+    block: int = 0  # the engines' cache block (tokens), once they are up
+
+    @property
+    def full_blocks(self) -> int:
+        """The prompt's full blocks: what a cache can hold of it."""
+        return (self.n_prompt - 1) // self.block
+
+    @property
+    def expect_cached(self) -> int:
+        """Tokens every reload should find cached."""
+        return self.full_blocks * self.block
 
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -255,8 +264,8 @@ def model_config(args: argparse.Namespace) -> tuple[str, dict]:
 
 
 def start_engines(run: Run, base: dict, workdir: str, stack) -> None:
-    """Every engine the paths need (each its own process), ready, then the
-    prompt's cacheable blocks from their block size."""
+    """Every engine the paths need (each its own process), started at once,
+    then waited for; each is stopped when ``stack`` closes."""
     wanted = {p[3] for p in run.paths}
     if run.server is not None:
         wanted.add("pool_writer")
@@ -457,8 +466,7 @@ def main() -> int:
                     f"engine {name}: {i['num_blocks']} KV blocks of {block} "
                     "tokens hold less than two prompts"
                 )
-        run.full_blocks = (n_prompt - 1) // block
-        run.expect_cached = run.full_blocks * block
+        run.block = block
         print(
             f"engines up in {up_s:.0f} s ({', '.join(run.engines)}); cache block "
             f"{block} tokens, {run.full_blocks} full blocks = {run.expect_cached} "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from prefix_reuse_usage import median_cells
+from prefix_reuse_report import median_cells
 
 # A reload's timeline, in order: (event, the phase that ends with it).  A
 # phase is the time since the previous event the request went through.

@@ -1,8 +1,9 @@
 """The prefix-reuse benchmark's results, on either release: whether each
 round's paths happened with the cold run's tokens (``check_round``), the
 summary over rounds (median and [min, max], ratios paired within a round),
-the table and the plot.  ``spread`` and ``loadavg`` serve the other
-benchmarks too."""
+the table and the plot, and the cells the other tables share
+(``median_cells``: the phases', the read's).  ``spread`` and ``loadavg``
+serve the other benchmarks too."""
 
 from __future__ import annotations
 
@@ -323,3 +324,14 @@ def plot(rows: list[dict], meta: dict, path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def median_cells(keys: list, runs: list[dict], value, fmt: str) -> list[str]:
+    """A table row's cells: per path key, the median over the rounds that
+    ran it of ``value(the run's result)`` (None: not measured), or "-"."""
+    cells = []
+    for key in keys:
+        seen = [value(run["paths"][key]) for run in runs if key in run["paths"]]
+        seen = [x for x in seen if x is not None]
+        cells.append(f"{statistics.median(seen):{fmt}}" if seen else "-")
+    return cells

@@ -10,9 +10,10 @@ from __future__ import annotations
 import gc
 import pathlib
 import resource
-import statistics
 import threading
 import time
+
+from prefix_reuse_report import median_cells
 
 # (field, row label, format) of the table; ms unless said.
 ROWS = [
@@ -156,14 +157,3 @@ def print_read_usage(paths: list, runs: list[dict]) -> None:
             keys, runs, lambda res, f=field: read_usage(res).get(f), fmt
         )
         print(f"| {label} | " + " | ".join(cells) + " |")
-
-
-def median_cells(keys: list, runs: list[dict], value, fmt: str) -> list[str]:
-    """A table row's cells: per path key, the median over the rounds that
-    ran it of ``value(the run's result)`` (None: not measured), or "-"."""
-    cells = []
-    for key in keys:
-        seen = [value(run["paths"][key]) for run in runs if key in run["paths"]]
-        seen = [x for x in seen if x is not None]
-        cells.append(f"{statistics.median(seen):{fmt}}" if seen else "-")
-    return cells
