@@ -10,7 +10,10 @@ The touched upstream code of the v0_32 set (``PATCH_SET``) is every module a
 patch of it targets (``Patch.module``, from the set's ``MODULES``) and every
 ``vllm`` module its code imports (``vllm_overlay/patches/v0_32`` and
 ``vllm_overlay/integration/v0_32``, imports inside functions included, and
-the ``vllm_overlay.core`` modules they import, transitively).  Those files
+the ``vllm_overlay.core`` modules they import, transitively), and the
+upstream files whose behaviour the overlay relies on without importing them
+(``RELIED_ON``, each with why: a caller's contract, a layout to match, a
+queue read).  Those files
 of the reference release's sdist (``REFERENCE``, vLLM 0.32.0) are hashed
 (sha256) and compared byte for byte with each later release's sdist (cached
 by ``fetch_sdist.py``).  The record, ``vllm_overlay/patches/v0_32/
@@ -51,6 +54,24 @@ REFERENCE = "0.32.0"
 RECORD = ROOT / "vllm_overlay" / "patches" / PATCH_SET / "releases.json"
 SOURCES = [f"vllm_overlay/patches/{PATCH_SET}", f"vllm_overlay/integration/{PATCH_SET}"]
 FOLLOWED = "vllm_overlay.core"  # overlay modules followed from SOURCES
+
+# Upstream files the set's code never imports but whose behaviour it relies
+# on (paths in the vLLM tree) -> why.  A change there can break the overlay
+# with every patch still applying, so they are touched files too.
+RELIED_ON = {
+    "vllm/v1/kv_offload/tiering/manager.py": "TieringOffloadingManager calls "
+    "the pool tier's drain_jobs() in reset_cache and then asserts every job "
+    "finished (the drain contract SharedPoolTier keeps)",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py": "the "
+    "only consumer of the CPU worker's TransferResults (what it does with "
+    "success=False)",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py": "the "
+    "OffloadingConfig the spec, the tiers and PT32-01 read",
+    "vllm/v1/kv_offload/cpu/gpu_worker.py": "upstream's host chunk layout, "
+    "which the CPU worker and a pool shared with GPU nodes must match",
+    "vllm/v1/core/sched/scheduler.py": "the request queues the idle wait "
+    "(integration/v0_32/idle_wait.py) reads",
+}
 
 
 def patch_targets(patch_set: str = PATCH_SET) -> list[str]:
@@ -124,6 +145,10 @@ def touched_files(reference: Sdist) -> list[str]:
     modules = dict.fromkeys(patch_targets(), {""})
     for module, names in imported_modules(overlay_files()).items():
         modules.setdefault(module, set()).update(names)
+    for rel in RELIED_ON:
+        if reference.read(rel) is None:
+            raise SystemExit(f"vLLM {REFERENCE} has no file {rel} (RELIED_ON)")
+        files.add(rel)
     for module, names in modules.items():
         path = reference.module_file(module)
         if path is None:

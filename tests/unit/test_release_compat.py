@@ -61,3 +61,24 @@ def test_overlay_files_follow_core_imports():
     assert "vllm_overlay/integration/v0_32/offload_worker.py" in files
     assert "vllm_overlay/core/ops/block_copy.py" in files  # followed
     assert "vllm_overlay/core/ops/triton_kernels.py" in files  # lazily, inside
+
+
+def test_files_the_overlay_relies_on_without_importing_them_are_touched():
+    """Upstream code the overlay never imports but depends on (a caller's
+    contract, a layout, a queue) is in the record: a release that changes
+    it is not admitted as identical, and an installed copy that differs is
+    refused at startup."""
+    relied = {
+        "vllm/v1/kv_offload/tiering/manager.py",  # drain contract
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py",
+        "vllm/v1/kv_offload/cpu/gpu_worker.py",  # host chunk layout
+        "vllm/v1/core/sched/scheduler.py",  # the queues idle_wait reads
+    }
+    assert relied <= set(release_compat.RELIED_ON)
+    assert all(release_compat.RELIED_ON[rel] for rel in relied)  # each says why
+    record = json.loads(release_compat.RECORD.read_text())
+    assert relied <= set(record["touched"])
+    _cached_or_skip(release_compat.REFERENCE)
+    reference = release_compat._sdist(release_compat.REFERENCE, offline=True)
+    assert relied <= set(release_compat.touched_files(reference))
