@@ -72,9 +72,9 @@ def register() -> str:
             _outcome = f"unsupported vLLM {version}"
             return _outcome
         from vllm_overlay.patches import apply_all
-        from vllm_overlay.version_gate import check_recorded_release
+        from vllm_overlay.version_gate import check_installed_release
 
-        check_recorded_release(entry, version)
+        check_installed_release(entry, version)
         apply_all(entry)
         if feature_runs_on("connectors", version):
             from vllm_overlay.connectors import register_connectors

