@@ -12,7 +12,9 @@ no read starts after it and none waits past it (the socket timeout is
 shortened), so a server that trickles bytes cannot hold a reader longer;
 with a ``guard``, every write into the caller's memory happens under
 ``guard.lock`` and only while ``guard.cancelled`` is false, so whoever
-cancels under that lock knows no later write lands.
+cancels under that lock knows no later write lands.  With an ``outgoing``
+(``transport.Outgoing``: the commands still to send), the reader sends
+them while it waits for bytes, so replies are read as they come.
 """
 
 from __future__ import annotations
@@ -129,10 +131,12 @@ class RespReader:
         deadline: float | None = None,
         guard: Guard | None = None,
         max_bulk_bytes: int = MAX_VALUE_BYTES,
+        outgoing=None,
     ) -> None:
         self.sock = sock
         self.deadline = deadline
         self.guard = guard
+        self.outgoing = outgoing
         self.max_bulk_bytes = max_bulk_bytes
         self._timeout = sock.gettimeout() if deadline is not None else None
         self._shortened = False
@@ -158,20 +162,26 @@ class RespReader:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise PoolTooSlow(
-                "not done within io_timeout_s (the server sends too slowly)"
+                "not done within io_timeout_s (the server or the link too slow)"
             )
         if self._timeout is None or left < self._timeout:
             self.sock.settimeout(left)
             self._shortened = True
 
+    def _send_pending(self) -> None:
+        """Commands still to send go out until a reply can be read."""
+        if self.outgoing is not None and self.outgoing.pending:
+            self.outgoing.until_readable()
+
     def _recv(self, view, nbytes: int) -> int:
+        self._send_pending()
         self._before_read()
         try:
             got = self.sock.recv_into(view, nbytes)
         except TimeoutError:
             if self._shortened and time.monotonic() >= self.deadline:
                 raise PoolTooSlow(
-                    "not done within io_timeout_s (the server sends too slowly)"
+                    "not done within io_timeout_s (the server or the link too slow)"
                 ) from None
             raise
         if not got:
@@ -185,6 +195,7 @@ class RespReader:
         guard = self.guard
         if guard is None:
             return self._recv(view, nbytes)
+        self._send_pending()  # (not under the lock)
         with guard.lock:
             if guard.cancelled:
                 raise Cancelled()

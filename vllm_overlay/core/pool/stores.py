@@ -143,6 +143,7 @@ class PoolStores:
             return
         items, encode = job.items, job.encode
         stored = 0
+        answered: list[int] = []  # sizes of the values the server took
         try:
             if not self.writes_open():
                 with self._lock:
@@ -168,7 +169,12 @@ class PoolStores:
                 client,
                 self.config.cluster,
                 [
-                    (key, self._set_command(key, parts, n), None)
+                    (
+                        key,
+                        self._set_command(key, parts, n),
+                        None,
+                        lambda _, n=n: answered.append(n),  # before any failure
+                    )
                     for key, parts, n in values
                 ],
                 deadline=deadline,
@@ -186,13 +192,16 @@ class PoolStores:
                 )
                 self.stats.io_seconds_out += elapsed
             stored = len(items)  # every item is accounted for now
+            answered.clear()
             if (failure := first_failure(answers)) is not None:
                 self._failed(failure, "store", WRITE)
             else:
                 self._ok(WRITE)
         except Exception as exc:  # noqa: BLE001
-            with self._lock:
-                self.stats.dropped_stores += len(items) - stored
+            with self._lock:  # (answered: stored before the exchange failed)
+                self.stats.stored_blocks += len(answered)
+                self.stats.bytes_out += sum(answered)
+                self.stats.dropped_stores += len(items) - stored - len(answered)
             self._failed(exc, "store", WRITE)
         finally:
             self._release_store(job)
