@@ -53,6 +53,7 @@ import generate  # noqa: E402  (patches/generate.py: names, style, diff formats)
 import latest_verify  # noqa: E402
 import render_patch  # noqa: E402
 import static_imports  # noqa: E402
+from render_ast import RUNTIME_ONLY  # noqa: E402
 
 PATCHES = ROOT / "patches"
 OUT = PATCHES / "latest"
@@ -248,9 +249,8 @@ def new_modules(module) -> list[str]:
 
     def visit(name: str, path: pathlib.Path) -> None:
         rel = str(path.relative_to(ROOT))
-        for _, imported, attr in static_imports.imports(
-            path.read_text(), rel, "vllm_overlay"
-        ):
+        source = RUNTIME_ONLY.sub("", path.read_text())  # not staged
+        for _, imported, attr in static_imports.imports(source, rel, "vllm_overlay"):
             for candidate in (f"{imported}.{attr}", imported):
                 if candidate in (RUNTIME, name) or candidate in order:
                     continue

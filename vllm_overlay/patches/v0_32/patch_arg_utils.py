@@ -7,7 +7,9 @@ before it builds its parser, so it appears in ``--help``);
 for it, and ``additional_config`` reaches the engine core and every worker;
 ``LLM(additional_config=...)`` users set it directly);
 ``create_engine_config`` validates it (budget given, partition matches the
-model, one block fits on every stage) before any engine process starts.
+model, one block fits on every stage) before any engine process starts;
+on 0.32 it also refuses there what 0.32 would fail on only after the model
+loaded or at the first request (``integration/v0_32/config_check``).
 
 The 0.11.2 set (``patches/v0_11_2/patch_arg_utils.py``) applies the same
 replacements under its own ids (``engine_args_patches``): each wrapper
@@ -40,10 +42,27 @@ def from_cli_args(cls, args):
 
 def create_engine_config(self, *args, **kwargs):
     config = REGISTRY.original_of(create_engine_config)(self, *args, **kwargs)
+    # runtime only: begin (the overlay's startup checks of vLLM 0.32's
+    # offloading and CPU worker, integration/v0_32/config_check: not staged)
+    if _in_v0_32_set():
+        from vllm_overlay.integration.v0_32.config_check import refusal
+
+        error = refusal(config)
+        if error:
+            raise ValueError(error)  # one line: the key and the fix
+    # runtime only: end
     from vllm_overlay.integration.pp_kv import validate_pp_kv_budget
 
     validate_pp_kv_budget(config)
     return config
+
+
+def _in_v0_32_set() -> bool:
+    """The wrapper runs as the 0.32 set's patch (the 0.11.2 set shares it)."""
+    return any(
+        state.patch.id == "PP32-03" and state.status == "applied"
+        for state in REGISTRY.states()
+    )
 
 
 def engine_args_patches(ids: tuple[str, str, str], upstream: str, removal: str):
@@ -55,7 +74,10 @@ def engine_args_patches(ids: tuple[str, str, str], upstream: str, removal: str):
         "additional_config, which reaches the engine core and every worker.",
         "create_engine_config": "Reject a bad configuration (no byte budget, a "
         "partition that does not match the model, less than one block on a "
-        "stage) in the front end, with the values named.",
+        "stage) in the front end, with the values named. On 0.32 also, in "
+        "one line naming the key and the fix, what the engine would fail on "
+        "only after the model loaded or at the first request "
+        "(integration/v0_32/config_check).",
     }
     news = (add_cli_args, from_cli_args, create_engine_config)
     return [

@@ -1,0 +1,132 @@
+"""Bad input a new user gives ``vllm serve`` on vLLM 0.32 (CPU) is refused
+in the front end (``EngineArgs.create_engine_config``, patch PP32-03, in
+the process that parses the arguments), before any engine process starts
+or any model loads, with one line naming the key and the fix.  Without the
+checks each got past startup and failed later: after the model loaded,
+inside three tracebacks (``cpu_bytes_to_use``, the pool tier's options)
+or on the first request (PP without compilation).
+
+``run_front_end.py`` runs the real front end (plugins loaded, the command
+line parsed, ``create_engine_config``) for every case in one process; a
+real ``vllm serve`` per check shows the same line as its last, exiting
+without starting EngineCore.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from conftest import run
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from support.served_vllm import free_port, harness_env, serve_command  # noqa: E402
+
+from vllm_overlay.integration.v0_32.config_check import (  # noqa: E402
+    machine_memory_bytes,
+)
+
+TINY = {
+    "model_name": "vllm_overlay/models/tiny_llama",
+    "model_args": {"dtype": "float32", "max_model_len": 512},
+}
+KEY = "--kv-transfer-config: kv_connector_extra_config['cpu_bytes_to_use']"
+
+
+def offload(**extra) -> list[str]:
+    config = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+def huge_message() -> str:
+    memory = machine_memory_bytes()
+    return (
+        f"{KEY} is {2**60} B ({2**60 / 2**30:.1f} GiB), more than this "
+        f"machine's memory ({memory} B, {memory / 2**30:.1f} GiB): lower it"
+    )
+
+
+# name -> (command line after --model, environment, the error line or None)
+CASES = {
+    "negative_host_bytes": (
+        offload(cpu_bytes_to_use=-8589934592),
+        {},
+        f"{KEY} is -8589934592: give a positive number of bytes of host "
+        "memory for offloaded KV (e.g. 8589934592 or 8G for 8 GiB)",
+    ),
+    "huge_host_bytes": (offload(cpu_bytes_to_use=2**60), {}, huge_message),
+    "text_host_bytes": (
+        offload(cpu_bytes_to_use="8 GiB"),
+        {},
+        f"{KEY} must be a whole number of bytes, got '8 GiB' (e.g. "
+        "8589934592 or 8G for 8 GiB)",
+    ),
+    "no_host_bytes": (
+        offload(),
+        {},
+        f"{KEY} is missing: give the bytes of host memory for offloaded KV "
+        "(e.g. 8589934592 or 8G for 8 GiB)",
+    ),
+    "good_host_bytes": (offload(cpu_bytes_to_use=2**26), {}, None),
+}
+
+
+def expected(name: str) -> str | None:
+    message = CASES[name][2]
+    return message() if callable(message) else message
+
+
+@pytest.fixture(scope="module")
+def front_end():
+    cases = {name: {"argv": argv, "env": env} for name, (argv, env, _) in CASES.items()}
+    return run("run_front_end.py", {"cases": cases}).result
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][2] is not None])
+def test_refused_in_create_engine_config(front_end, name):
+    got = front_end[name]
+    assert (got["error"], got["message"]) == ("ValueError", expected(name))
+    assert "\n" not in got["message"]
+    assert got["children"] == 0  # no engine process started
+    assert got["seconds"] < 60  # generous: the machine is shared
+
+
+def test_good_host_bytes_pass(front_end):
+    assert front_end["good_host_bytes"]["error"] is None
+
+
+def serve_refusal(name: str, tmp_path: pathlib.Path) -> tuple[int, str]:
+    """``vllm serve`` of the tiny Llama with the case's flags: its exit
+    status and log (it must exit by itself, well before a model load)."""
+    argv, env, _ = CASES[name]
+    log = tmp_path / f"serve-{name}.log"
+    command = serve_command(TINY, free_port(), argv)
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            command,
+            env=harness_env(**env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            timeout=300,
+        )
+    return proc.returncode, log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("name", ["negative_host_bytes"])
+def test_vllm_serve_exits_with_the_line(name, tmp_path):
+    rc, log = serve_refusal(name, tmp_path)
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    assert rc != 0
+    assert lines[-1] == f"ValueError: {expected(name)}", log[-3000:]
+    # Refused in the API server process: no EngineCore, no model load.
+    assert "EngineCore" not in log
+    assert "Starting to load model" not in log

@@ -1,0 +1,104 @@
+"""Front-end checks of configurations that vLLM 0.32 takes at startup and
+fails on only after the model loaded (or on the first request).
+
+``EngineArgs.create_engine_config`` (patch PP32-03, in the process that
+parses the arguments, before any engine process starts) asks
+``refusal(config)``; a configuration named here is refused
+with one line naming the key and the fix:
+
+* ``cpu_bytes_to_use`` of upstream's ``OffloadingConnector`` (also inside
+  a ``MultiConnector``): a whole number of bytes, at least 1 and at most
+  this machine's memory (the smaller of the physical memory and the
+  cgroup's ``memory.max``).  Upstream reads it only when the engine core
+  builds the offloading spec: a negative value fails in ``torch.zeros``, a
+  huge one in the allocator, neither naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Specs of upstream's OffloadingConnector that read cpu_bytes_to_use.
+HOST_MEMORY_SPECS = (None, "CPUOffloadingSpec", "TieringOffloadingSpec")
+GiB = 2**30
+WHERE = "--kv-transfer-config"
+
+
+def machine_memory_bytes() -> int:
+    """This machine's memory for the engine: the physical memory, or the
+    cgroup (v2) limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _connectors(kv_transfer_config) -> list[tuple[str, str | None, dict]]:
+    """(where, connector name, extra config) of the connector and, in a
+    MultiConnector, of each connector it holds."""
+    if kv_transfer_config is None:
+        return []
+    extra = kv_transfer_config.kv_connector_extra_config or {}
+    found = [("kv_connector_extra_config", kv_transfer_config.kv_connector, extra)]
+    if kv_transfer_config.kv_connector == "MultiConnector":
+        for i, inner in enumerate(extra.get("connectors") or []):
+            if isinstance(inner, dict):
+                found.append(
+                    (
+                        f"kv_connector_extra_config.connectors[{i}]"
+                        ".kv_connector_extra_config",
+                        inner.get("kv_connector"),
+                        inner.get("kv_connector_extra_config") or {},
+                    )
+                )
+    return found
+
+
+def host_bytes_refusal(where: str, extra: dict, memory: int) -> str | None:
+    """``cpu_bytes_to_use`` of an OffloadingConnector's extra config."""
+    key = f"{WHERE}: {where}['cpu_bytes_to_use']"
+    value = extra.get("cpu_bytes_to_use")
+    example = "e.g. 8589934592 or 8G for 8 GiB"
+    if value is None:
+        return (
+            f"{key} is missing: give the bytes of host memory for offloaded "
+            f"KV ({example})"
+        )
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError(type(value).__name__)
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return f"{key} must be a whole number of bytes, got {value!r} ({example})"
+    if number <= 0:
+        return (
+            f"{key} is {value!r}: give a positive number of bytes of host "
+            f"memory for offloaded KV ({example})"
+        )
+    if number > memory:
+        return (
+            f"{key} is {number} B ({number / GiB:.1f} GiB), more than this "
+            f"machine's memory ({memory} B, {memory / GiB:.1f} GiB): lower it"
+        )
+    return None
+
+
+def offloading_refusal(kv_transfer_config, memory: int | None = None) -> str | None:
+    """The first bad offloading setting of the KV transfer config."""
+    for where, name, extra in _connectors(kv_transfer_config):
+        if name != "OffloadingConnector":
+            continue
+        if extra.get("spec_name") in HOST_MEMORY_SPECS:
+            memory = machine_memory_bytes() if memory is None else memory
+            error = host_bytes_refusal(where, extra, memory)
+            if error:
+                return error
+    return None
+
+
+def refusal(vllm_config) -> str | None:
+    """The first configuration error of the checks above, else None."""
+    return offloading_refusal(vllm_config.kv_transfer_config)
