@@ -22,7 +22,6 @@ them, so no load ever writes into blocks another request was given."""
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -263,7 +262,8 @@ class SharedPoolWorker(WorkerLoads):
                 self.pool.submit_store(
                     [(self._key(h), rows[start + i].data) for i, h in enumerate(chain)],
                     encode=self._encode,
-                    on_done=functools.partial(ring.release, start),
+                    # (the outcome: the pool's stats count what was stored)
+                    on_done=lambda _outcome, start=start: ring.release(start),
                 )
             if keep:
                 self._pending_copies[req_id] = keep

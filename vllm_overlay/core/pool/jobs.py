@@ -1,5 +1,6 @@
 """What the pool's threads are handed: a lookup's ticket (its caller polls
-it), a load job, a store job, and the sentinel that stops a thread."""
+it), a load job, a store job (and what became of it), and the sentinel
+that stops a thread."""
 
 from __future__ import annotations
 
@@ -51,10 +52,32 @@ class LoadJob:
     delivered: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreOutcome:
+    """What became of one ``submit_store``'s values: ``written`` now,
+    ``present`` already (not written again); the others were not stored
+    (dropped over the in-flight limit, writes paused, or failed)."""
+
+    total: int
+    written: int = 0
+    present: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every value is in the pool."""
+        return self.written + self.present == self.total
+
+
 @dataclasses.dataclass(eq=False)
 class StoreJob:
-    items: list
+    items: list  # the admitted (key, payload) pairs
     size: int
     encode: object
     on_done: object
+    total: int  # values submitted (admitted or not)
+    written: int = 0
+    present: int = 0
     released: bool = False
+
+    def outcome(self) -> StoreOutcome:
+        return StoreOutcome(self.total, self.written, self.present)

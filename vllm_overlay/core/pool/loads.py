@@ -113,15 +113,32 @@ class PoolLoads:
             return True
         return False
 
+    def cancel_loads(self, timeout_s: float) -> list:
+        """Give up on every load not yet delivered (a drain past its
+        deadline): each stops writing into its buffers (a write under way
+        ends first: waited for, ``timeout_s`` in all) and is delivered as
+        failed.  Returns the ids of those that could not be stopped in
+        time (still pending; delivered when their thread lets go)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            jobs = [job for job in self._loads if not job.delivered]
+        left = []
+        for job in jobs:
+            if job.guard.cancel(timeout_s=max(0.001, deadline - time.monotonic())):
+                self._deliver(job, [None] * len(job.keys))
+            else:
+                left.append(job.job_id)
+        return left
+
     def _deliver(self, job: LoadJob, values: list) -> None:
         """Hand a load's result to its caller, once (the load thread, or the
-        watchdog for a load past its deadline, whichever is first)."""
+        watchdog for a load past its deadline, whichever is first).  The
+        job counts as pending (``drain``) until its result is queued."""
         with self._lock:
             if job.delivered:
                 return
             job.delivered = True
             self._loads.discard(job)
-            self._pending_loads -= 1
             self._inflight_load -= job.size
         result = values
         if job.prepare is not None:
@@ -131,6 +148,8 @@ class PoolLoads:
                 self._internal("preparing a load", exc)
                 result = None
         self._loads_done.append((job.job_id, result))
+        with self._lock:
+            self._pending_loads -= 1
         LOADS_DONE.set()
 
     def _load(self, client, job: LoadJob) -> None:

@@ -251,7 +251,10 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
                 client.close()
 
     def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until queued stores and loads are done (tests, shutdown)."""
+        """Wait until every submitted store and load is done, its result
+        handed over (a store's ``on_done`` has returned, a load's result is
+        queued for ``poll_loads``); False if ``timeout_s`` passed first
+        (``cancel_loads`` then stops the loads)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:

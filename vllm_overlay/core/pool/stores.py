@@ -15,7 +15,7 @@ import time
 
 from vllm_overlay.core.pool.config import PoolConfig
 from vllm_overlay.core.pool.health import WRITE
-from vllm_overlay.core.pool.jobs import StoreJob
+from vllm_overlay.core.pool.jobs import StoreJob, StoreOutcome
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
 from vllm_overlay.core.pool.resp import command
 from vllm_overlay.core.pool.stats import PoolStats
@@ -59,9 +59,11 @@ class PoolStores:
         its predecessors).  ``encode(key, payload)`` runs on the store
         thread and returns the value: one buffer, or a tuple of buffers
         sent back to back (a header and the payload, never joined); ``None``:
-        payloads are the values.  ``on_done()`` is called once when the
-        payloads are no longer needed (on the store thread, or here if none
-        is admitted).  Returns the number admitted (0: all dropped)."""
+        payloads are the values.  ``on_done(outcome)`` is called once when
+        the payloads are no longer needed (on the store thread, or here if
+        none is admitted), with a ``StoreOutcome``: how many values are in
+        the pool now.  ``drain`` counts the job as done only once it has
+        returned.  Returns the number admitted (0: all dropped)."""
         self._need_io_threads()
         open_ = self.writes_open()
         with self._lock:
@@ -81,9 +83,11 @@ class PoolStores:
                 "store", admitted, dropped, self.config.max_inflight_bytes
             )
         if admitted:
-            self._store_q.put(StoreJob(items[:admitted], size, encode, on_done))
+            self._store_q.put(
+                StoreJob(items[:admitted], size, encode, on_done, len(items))
+            )
         elif on_done is not None:
-            on_done()
+            on_done(StoreOutcome(len(items)))
         return admitted
 
     def _warn_dropped(self, what: str, kept: int, dropped: int, limit: int) -> None:
@@ -112,17 +116,21 @@ class PoolStores:
         self._store_q.put(("delete", keys))
 
     def _release_store(self, job: StoreJob) -> None:
-        """Once per store job: its bytes leave the limit, ``on_done`` runs."""
+        """Once per store job: ``on_done`` runs, then its bytes leave the
+        limit (in that order: ``drain`` sees the job done only once its
+        caller has its outcome)."""
         with self._lock:
             if job.released:
                 return
             job.released = True
-            self._inflight -= job.size
-        if job.on_done is not None:
-            try:
-                job.on_done()
-            except Exception as exc:  # noqa: BLE001 - a bug: logged, go on
-                self._internal("store callback", exc)
+        try:
+            if job.on_done is not None:
+                job.on_done(job.outcome())
+        except Exception as exc:  # noqa: BLE001 - a bug: logged, go on
+            self._internal("store callback", exc)
+        finally:
+            with self._lock:
+                self._inflight -= job.size
 
     def _delete(self, client, keys: list[bytes]) -> None:
         with self._lock:
@@ -160,6 +168,7 @@ class PoolStores:
             if (failure := first_failure(present)) is not None:
                 raise failure
             todo = [(k, v) for (k, v), p in zip(items, present) if not p]
+            job.present = len(items) - len(todo)
             values = []
             for key, payload in todo:
                 value = encode(key, payload) if encode else payload
@@ -181,6 +190,7 @@ class PoolStores:
             )
             elapsed = time.perf_counter() - start
             stored = sum(1 for a in answers if not isinstance(a, Exception))
+            job.written = stored
             with self._lock:
                 self.stats.stored_blocks += stored
                 self.stats.dropped_stores += len(values) - stored
@@ -198,6 +208,7 @@ class PoolStores:
             else:
                 self._ok(WRITE)
         except Exception as exc:  # noqa: BLE001
+            job.written += len(answered)
             with self._lock:  # (answered: stored before the exchange failed)
                 self.stats.stored_blocks += len(answered)
                 self.stats.bytes_out += sum(answered)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -107,8 +108,13 @@ class SharedPoolTier(SecondaryTierManager):
         self.pool = KVPool(self.config, io_threads=True, lookups=True)
         self.pool.check_value_size(self._value_bytes)
         self._lookups = PoolLookups(self.pool, self._name)
-        self._done: collections.deque = collections.deque()  # store results
-        self._stores_open = 0
+        # Results not yet reported (stores; loads failed by drain_jobs).
+        self._done: collections.deque = collections.deque()
+        # Stores submitted, not yet done: job id -> submitted at.  A store
+        # reports once: when it is done, or failed by drain_jobs (its late
+        # completion is then ignored); the lock orders the two.
+        self._stores: dict[int, float] = {}
+        self._stores_lock = threading.Lock()
         self._loads: dict[int, tuple[list, list, float]] = {}
         self._refusal_log = RateLimitedLog(logger, 10.0)
         self.pool.probe()  # an unreachable pool is reported now (background)
@@ -144,7 +150,12 @@ class SharedPoolTier(SecondaryTierManager):
             self.pool.wait_for_loads(YIELD_S)
 
     def has_pending_work(self) -> bool:
-        return self._lookups.pending() or bool(self._loads) or self._stores_open > 0
+        return (
+            self._lookups.pending()
+            or bool(self._loads)
+            or bool(self._stores)
+            or bool(self._done)
+        )
 
     # -- stores: primary chunk -> pool ---------------------------------------
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -153,13 +164,12 @@ class SharedPoolTier(SecondaryTierManager):
             (self._name(key), rows[chunk].data)
             for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids)
         ]
-        self._stores_open += 1
+        with self._stores_lock:
+            self._stores[job_metadata.job_id] = time.monotonic()
         self.pool.submit_store(
             items,
             encode=self._encode,
-            on_done=functools.partial(
-                self._stored, job_metadata.job_id, time.monotonic()
-            ),
+            on_done=functools.partial(self._stored, job_metadata.job_id),
         )
 
     def _encode(self, name: bytes, payload):
@@ -169,11 +179,15 @@ class SharedPoolTier(SecondaryTierManager):
         )
         return head, payload
 
-    def _stored(self, job_id: int, start: float) -> None:
+    def _stored(self, job_id: int, outcome) -> None:
         """The store thread (or submit_store): the chunks are free again."""
-        self._done.append(
-            JobResult(job_id, success=True, transfer_time=time.monotonic() - start)
-        )
+        with self._stores_lock:
+            start = self._stores.pop(job_id, None)
+            if start is None:
+                return  # reported failed by drain_jobs already
+            self._done.append(
+                JobResult(job_id, success=True, transfer_time=time.monotonic() - start)
+            )
 
     # -- loads: pool -> primary chunk ----------------------------------------
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -228,7 +242,9 @@ class SharedPoolTier(SecondaryTierManager):
         TRANSFER_DONE.set()
         return out
 
-    def _loaded(self, job_id: int, verdicts) -> JobResult:
+    def _loaded(self, job_id: int, verdicts) -> JobResult | None:
+        if job_id not in self._loads:
+            return None  # reported failed by drain_jobs already
         keys, names, start = self._loads.pop(job_id)
         if verdicts is None:  # preparing failed (logged): recompute all
             verdicts = [(codec.BadValue("internal error"), False)] * len(keys)
@@ -268,24 +284,52 @@ class SharedPoolTier(SecondaryTierManager):
         out = []
         while self._done:
             out.append(self._done.popleft())
-            self._stores_open -= 1
         for job_id, verdicts in self.pool.poll_loads():
-            out.append(self._loaded(job_id, verdicts))
+            result = self._loaded(job_id, verdicts)
+            if result is not None:
+                out.append(result)
         return out
 
     def drain_jobs(self) -> None:
-        """Every submitted job done (its result queued), within the pool's
-        deadlines: a load past ``io_timeout_s`` is failed by the watchdog
-        and stops writing; a store waits for its socket's timeout."""
+        """Upstream's contract (``reset_cache`` asserts it): once this
+        returns, every submitted job's result is queued for
+        ``get_finished_jobs`` and no job writes into the primary tier.
+
+        Within the pool's deadlines every job ends by itself (a load past
+        ``io_timeout_s`` is failed by the watchdog and stops writing).  A
+        job still running after them is given up: a load stops writing
+        (the write under way ends first, so no chunk is half written) and
+        fails; a store is reported failed now and its late completion is
+        ignored.  Such a store may still be sending chunks upstream then
+        reuses: the value it stores fails its checksum when loaded (it is
+        deleted and recomputed), so it is never served."""
         limit = self.config.io_timeout_s + self.config.timeout_s + 2 * GRACE_S
-        if not self.pool.drain(limit):
-            logger.error(
-                "vllm-overlay KV pool tier: jobs still running after %.1f s "
-                "(pool %s, state %s)",
-                limit,
-                self.config.redacted_url,
-                self.pool.state(),
+        if self.pool.drain(limit):
+            return
+        stuck = self.pool.cancel_loads(GRACE_S)
+        for job_id in stuck:  # cannot happen unless a thread is wedged
+            keys, _, start = self._loads.pop(job_id)
+            self._lookups.mark_missing(keys)
+            self._done.append(
+                JobResult(job_id, success=False, transfer_time=time.monotonic() - start)
             )
+        with self._stores_lock:
+            stores, self._stores = self._stores, {}
+            now = time.monotonic()
+            for job_id, start in stores.items():
+                self._done.append(
+                    JobResult(job_id, success=False, transfer_time=now - start)
+                )
+        logger.error(
+            "vllm-overlay KV pool tier: jobs still running %.1f s into a drain "
+            "(pool %s, state %s): %d store(s) reported failed, their late "
+            "completions ignored; loads cancelled%s",
+            limit,
+            self.config.redacted_url,
+            self.pool.state(),
+            len(stores),
+            f" ({len(stuck)} still writing, reported failed)" if stuck else "",
+        )
 
     def shutdown(self) -> None:
         self.pool.close()

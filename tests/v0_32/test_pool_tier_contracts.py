@@ -1,0 +1,217 @@
+"""SharedPoolTier under upstream's own caller: vLLM 0.32's
+``TieringOffloadingManager`` (built by ``TieringOffloadingSpec.get_manager``
+through upstream's tier factory, with the real CPU primary tier), the tier
+against a real Valkey server.
+
+Checked, each where it bites:
+
+* the drain contract: ``reset_cache`` calls the tier's ``drain_jobs``, then
+  consumes the finished jobs and asserts none is left.  With the jobs'
+  completions slowed (stores and promotions), and with a store still running
+  past the drain's deadline, it must not raise, must see every job's
+  result once (a late completion is not reported again), and must clear
+  the host tier;
+* failed stores are reported as failed (upstream counts them, and its
+  back-pressure detector is fed successful stores only);
+* the factory's own keys (``locality``) are accepted.
+"""
+
+from __future__ import annotations
+
+import mmap
+import pathlib
+import sys
+import time
+import uuid
+
+import numpy
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+from support.redis_server import RedisServer  # noqa: E402
+
+CHUNKS, PAGE = 16, 4096
+CASCADE_FAILURES = TieringOffloadingMetrics.CASCADE_JOB_FAILURES
+WRITE_BYTES = TieringOffloadingMetrics.WRITE_BYTES
+TIER = {
+    "type": "SharedPoolTier",
+    "module_path": "vllm_overlay.integration.v0_32.pool_tier",
+}
+# Short deadlines: a drain gives up after io_timeout_s + timeout_s + 2 s.
+FAST = {"timeout_s": 0.5, "io_timeout_s": 0.5, "connect_timeout_s": 0.5}
+
+
+def make_manager(url: str, **options):
+    """Upstream's tiering manager: CPU primary tier + the pool tier."""
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    row = -(-PAGE // mmap.PAGESIZE) * mmap.PAGESIZE
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("l0",), 0),),
+        worker_kv_bytes_per_block=PAGE,
+        enable_kv_cache_events=False,
+        extra_config={
+            "cpu_bytes_to_use": CHUNKS * row,
+            "kv_identity": ["model-hash=contracts"],
+            "secondary_tiers": [{**TIER, "url": url, **options}],
+        },
+        engine_id=f"overlay-test-{uuid.uuid4().hex}",
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+    return TieringOffloadingSpec(config).get_manager()
+
+
+def keys(n: int, seed: int = 0) -> list:
+    return [make_offload_key(bytes([seed, i]) * 16, 0) for i in range(n)]
+
+
+def store(manager, ks, ctx) -> None:
+    """GPU -> host tier done: upstream cascades the chunks to the pool."""
+    out = manager.prepare_store(ks, ctx)
+    view = numpy.asarray(manager.primary_tier.get_kv_memoryview())
+    for n, chunk in enumerate(out.store_spec.chunk_ids):
+        view[chunk] = n + 1
+    manager.complete_store(ks, ctx, True)
+
+
+def finished(manager, tier, timeout_s: float = 15.0) -> None:
+    """Step the manager until no job is left."""
+    deadline = time.monotonic() + timeout_s
+    while manager._jobs and time.monotonic() < deadline:
+        manager._process_finished_jobs()
+        time.sleep(0.01)
+    assert not manager._jobs
+
+
+def promote(manager, ks, ctx, timeout_s: float = 15.0) -> None:
+    """Look ``ks`` up step by step until the pool tier answers and the
+    promotions are submitted (the host tier does not hold them)."""
+    deadline = time.monotonic() + timeout_s
+    todo = list(ks)
+    while todo and time.monotonic() < deadline:
+        todo = [
+            k
+            for k in todo
+            if manager.lookup(k, ctx)
+            not in (LookupResult.HIT_PENDING, LookupResult.HIT)
+        ]
+        manager.on_schedule_end(_step())
+        time.sleep(0.01)
+    assert not todo, "the pool tier never answered HIT"
+
+
+def _step():
+    from vllm.v1.kv_offload.base import ScheduleEndContext
+
+    return ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def counters(manager) -> dict:
+    """Upstream's tiering counters for the pool tier (tier #1)."""
+    stats = manager.get_stats()
+    reduced = stats.reduce() if stats is not None else {}
+    label = "('1:SharedPoolTier',)"
+    return {k[: -len(label) - 1]: v for k, v in reduced.items() if k.endswith(label)}
+
+
+def host_holds(manager, k, ctx) -> bool:
+    return manager.primary_tier.lookup(k, ctx) is LookupResult.HIT
+
+
+def slowed(tier, name: str, delay_s: float, once: bool = False):
+    """Delay the tier's ``name`` callback (it runs on the pool's threads
+    when a job completes) by ``delay_s``."""
+    original = getattr(tier, name)
+    calls = []
+
+    def slow(*args, **kwargs):
+        if not (once and calls):
+            calls.append(time.monotonic())
+            time.sleep(delay_s)
+        return original(*args, **kwargs)
+
+    setattr(tier, name, slow)
+    return calls
+
+
+@pytest.fixture
+def server():
+    s = RedisServer()
+    yield s
+    s.resume()
+    s.close()
+
+
+# -- 1. the drain contract ----------------------------------------------------
+def test_reset_cache_sees_every_job_whose_completion_is_slow(server):
+    """Completions 0.3 s late: ``drain_jobs`` returns only once every
+    result is queued, so ``reset_cache`` finds no job left."""
+    manager = make_manager(server.url, **FAST)
+    tier = manager.secondary_tiers[0]
+    try:
+        ctx = ReqContext("r")
+        manager.on_new_request(ctx)
+        ks = keys(3)
+        slowed(tier, "_stored", 0.3)
+        store(manager, ks, ctx)
+        assert manager._jobs  # the cascade is in flight
+        manager.reset_cache()  # before the fix: AssertionError
+        assert not manager._jobs
+        assert not any(host_holds(manager, k, ctx) for k in ks)  # cleared
+        assert tier.pool.count_hits([tier._name(k) for k in ks]) == 3
+
+        # A promotion whose completion is slow: the same.
+        slowed(tier, "_verdicts", 0.3)
+        promote(manager, ks, ctx)
+        assert any(m.transfer_job.is_promotion for m in manager._jobs.values())
+        manager.reset_cache()
+        assert not manager._jobs
+        assert not any(host_holds(manager, k, ctx) for k in ks)
+        assert not tier.has_pending_work()
+    finally:
+        manager.shutdown()
+
+
+def test_reset_cache_fails_a_store_still_running_past_the_drains_deadline(server):
+    """A store that outlives the drain's deadline (here: its completion
+    takes 5 s, the deadline is 3 s) is reported failed by ``drain_jobs``;
+    its late completion is not reported again."""
+    manager = make_manager(server.url, **FAST)
+    tier = manager.secondary_tiers[0]
+    try:
+        ctx = ReqContext("r")
+        manager.on_new_request(ctx)
+        ks = keys(2)
+        calls = slowed(tier, "_stored", 5.0, once=True)
+        store(manager, ks, ctx)
+        start = time.monotonic()
+        manager.reset_cache()  # before the fix: AssertionError
+        assert time.monotonic() - start < 4.9  # did not wait for it
+        assert not manager._jobs
+        assert not any(host_holds(manager, k, ctx) for k in ks)
+        assert counters(manager)[CASCADE_FAILURES] == 1
+        # The late completion comes and is ignored: upstream would assert
+        # on a job it no longer tracks.
+        while time.monotonic() - calls[0] < 5.5:
+            time.sleep(0.1)
+        assert list(tier.get_finished_jobs()) == []
+        manager.on_schedule_end(_step())
+        assert not tier.has_pending_work()
+        # The tier goes on: the next cascade is stored and reported.
+        more = keys(2, seed=1)
+        store(manager, more, ctx)
+        finished(manager, tier)
+        assert tier.pool.count_hits([tier._name(k) for k in more]) == 2
+    finally:
+        manager.shutdown()
