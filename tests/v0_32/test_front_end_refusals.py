@@ -26,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from support.served_vllm import free_port, harness_env, serve_command  # noqa: E402
 
+from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
 from vllm_overlay.integration.v0_32.config_check import (  # noqa: E402
     machine_memory_bytes,
 )
@@ -44,6 +45,31 @@ def offload(**extra) -> list[str]:
         "kv_connector_extra_config": extra,
     }
     return ["--kv-transfer-config", json.dumps(config)]
+
+
+POOL_TIER = {
+    "type": "SharedPoolTier",
+    "module_path": "vllm_overlay.integration.v0_32.pool_tier",
+    "url": "redis://127.0.0.1:1/0",  # never reached: refused before
+}
+TIERS = "--kv-transfer-config: kv_connector_extra_config['secondary_tiers'][0]"
+
+
+def tiered(**tier) -> list[str]:
+    return offload(
+        cpu_bytes_to_use=2**26,
+        spec_name="TieringOffloadingSpec",
+        secondary_tiers=[{**POOL_TIER, **tier}],
+    )
+
+
+def misspelled_message() -> str:
+    """PoolConfig's own error for the options, after where they are."""
+    try:
+        PoolConfig.from_dict({"url": POOL_TIER["url"], "namespce": "prod"})
+    except ValueError as exc:
+        return f"{TIERS} (SharedPoolTier): {exc}"
+    raise AssertionError("PoolConfig took a misspelled option")
 
 
 def huge_message() -> str:
@@ -76,6 +102,15 @@ CASES = {
         "(e.g. 8589934592 or 8G for 8 GiB)",
     ),
     "good_host_bytes": (offload(cpu_bytes_to_use=2**26), {}, None),
+    "misspelled_pool_option": (tiered(namespce="prod"), {}, misspelled_message),
+    "pool_tier_type": (
+        tiered(type="SharedPool"),
+        {},
+        f"{TIERS}: module_path 'vllm_overlay.integration.v0_32.pool_tier' "
+        "holds the tier 'SharedPoolTier', not type 'SharedPool': set "
+        '"type": "SharedPoolTier"',
+    ),
+    "good_pool_tier": (tiered(namespace="prod"), {}, None),
 }
 
 
@@ -99,8 +134,9 @@ def test_refused_in_create_engine_config(front_end, name):
     assert got["seconds"] < 60  # generous: the machine is shared
 
 
-def test_good_host_bytes_pass(front_end):
-    assert front_end["good_host_bytes"]["error"] is None
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][2] is None])
+def test_good_configurations_pass(front_end, name):
+    assert front_end[name]["error"] is None, front_end[name]
 
 
 def serve_refusal(name: str, tmp_path: pathlib.Path) -> tuple[int, str]:
@@ -121,7 +157,7 @@ def serve_refusal(name: str, tmp_path: pathlib.Path) -> tuple[int, str]:
     return proc.returncode, log.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("name", ["negative_host_bytes"])
+@pytest.mark.parametrize("name", ["negative_host_bytes", "misspelled_pool_option"])
 def test_vllm_serve_exits_with_the_line(name, tmp_path):
     rc, log = serve_refusal(name, tmp_path)
     lines = [ln for ln in log.splitlines() if ln.strip()]

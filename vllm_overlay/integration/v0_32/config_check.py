@@ -12,14 +12,22 @@ with one line naming the key and the fix:
   cgroup's ``memory.max``).  Upstream reads it only when the engine core
   builds the offloading spec: a negative value fails in ``torch.zeros``, a
   huge one in the allocator, neither naming the key.
+* the overlay's pool tier in ``secondary_tiers``: its options as the tier
+  gets them from upstream's ``SecondaryTierFactory`` (less ``type``,
+  ``module_path`` and ``backpressure``), checked by ``PoolConfig``
+  (vLLM-free) now rather than in the engine core after the model loaded.
 """
 
 from __future__ import annotations
 
 import os
 
+POOL_TIER_MODULE = "vllm_overlay.integration.v0_32.pool_tier"
+POOL_TIER_CLASS = "SharedPoolTier"
 # Specs of upstream's OffloadingConnector that read cpu_bytes_to_use.
 HOST_MEMORY_SPECS = (None, "CPUOffloadingSpec", "TieringOffloadingSpec")
+# Keys upstream's SecondaryTierFactory takes out before it builds a tier.
+FACTORY_KEYS = ("type", "module_path", "backpressure")
 GiB = 2**30
 WHERE = "--kv-transfer-config"
 
@@ -86,6 +94,27 @@ def host_bytes_refusal(where: str, extra: dict, memory: int) -> str | None:
     return None
 
 
+def pool_tier_refusal(where: str, index: int, tier) -> str | None:
+    """The overlay's pool tier in ``secondary_tiers``: its options."""
+    key = f"{WHERE}: {where}['secondary_tiers'][{index}]"
+    if not isinstance(tier, dict) or tier.get("module_path") != POOL_TIER_MODULE:
+        return None
+    if tier.get("type") != POOL_TIER_CLASS:
+        return (
+            f"{key}: module_path {POOL_TIER_MODULE!r} holds the tier "
+            f"{POOL_TIER_CLASS!r}, not type {tier.get('type')!r}: set "
+            f'"type": "{POOL_TIER_CLASS}"'
+        )
+    from vllm_overlay.core.pool.config import PoolConfig
+
+    options = {k: v for k, v in tier.items() if k not in FACTORY_KEYS}
+    try:
+        PoolConfig.from_dict(options)
+    except (TypeError, ValueError) as exc:
+        return f"{key} ({POOL_TIER_CLASS}): {exc}"
+    return None
+
+
 def offloading_refusal(kv_transfer_config, memory: int | None = None) -> str | None:
     """The first bad offloading setting of the KV transfer config."""
     for where, name, extra in _connectors(kv_transfer_config):
@@ -94,6 +123,10 @@ def offloading_refusal(kv_transfer_config, memory: int | None = None) -> str | N
         if extra.get("spec_name") in HOST_MEMORY_SPECS:
             memory = machine_memory_bytes() if memory is None else memory
             error = host_bytes_refusal(where, extra, memory)
+            if error:
+                return error
+        for index, tier in enumerate(extra.get("secondary_tiers") or []):
+            error = pool_tier_refusal(where, index, tier)
             if error:
                 return error
     return None
