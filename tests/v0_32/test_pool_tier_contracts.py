@@ -39,6 +39,8 @@ from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from support.redis_server import RedisServer  # noqa: E402
 
+from vllm_overlay.core.pool import codec  # noqa: E402
+
 CHUNKS, PAGE = 16, 4096
 CASCADE_FAILURES = TieringOffloadingMetrics.CASCADE_JOB_FAILURES
 WRITE_BYTES = TieringOffloadingMetrics.WRITE_BYTES
@@ -215,3 +217,73 @@ def test_reset_cache_fails_a_store_still_running_past_the_drains_deadline(server
         assert tier.pool.count_hits([tier._name(k) for k in more]) == 2
     finally:
         manager.shutdown()
+
+
+# -- 5. failed stores are failed ------------------------------------------------
+BACKPRESSURE = {"backpressure": {"backpressure_cls": "EMABackpressureDetector"}}
+
+
+def test_stores_the_pool_did_not_take_are_reported_failed(server):
+    """Dropped over the in-flight limit, failed on a stopped server, then
+    dropped while writes are paused: each a failed cascade for upstream
+    (counted, no bytes written, not fed to the back-pressure detector);
+    a stored one succeeds with the bytes written."""
+    value_bytes = PAGE + codec.HEADER_BYTES  # a primary row, with its header
+    manager = make_manager(
+        server.url,
+        max_inflight_bytes=value_bytes,  # one value at a time
+        retry_backoff_s=30.0,
+        max_retry_backoff_s=30.0,
+        **FAST,
+        **BACKPRESSURE,
+    )
+    tier = manager.secondary_tiers[0]
+    detector = tier.bp_detector
+    try:
+        ctx = ReqContext("r")
+        manager.on_new_request(ctx)
+        store(manager, keys(1), ctx)
+        finished(manager, tier)
+        seen = counters(manager)
+        row = manager.primary_tier.get_kv_memoryview().strides[0]
+        assert seen[WRITE_BYTES] == row and CASCADE_FAILURES not in seen
+        assert detector._completions == 1
+
+        store(manager, keys(3, seed=1), ctx)  # 1 admitted, 2 dropped
+        finished(manager, tier)
+        assert counters(manager)[CASCADE_FAILURES] == 1
+        assert tier.pool.count_hits([tier._name(k) for k in keys(3, seed=1)]) == 1
+
+        server.pause()
+        store(manager, keys(1, seed=2), ctx)  # times out: writes pause
+        finished(manager, tier)
+        store(manager, keys(1, seed=3), ctx)  # paused: not sent
+        finished(manager, tier)
+        seen = counters(manager)
+        assert seen[CASCADE_FAILURES] == 2 and WRITE_BYTES not in seen
+        assert tier.pool.state()["write"] != "open"
+        assert detector._completions == 1  # failures are not latencies
+    finally:
+        server.resume()
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("locality", [None, "REMOTE", "LOCAL", "remote"])
+def test_the_factorys_locality_key_is_accepted(server, locality):
+    """Upstream's factory hands the tier every key of its config but
+    ``type``, ``module_path`` and ``backpressure``: ``locality`` too."""
+    from vllm.v1.kv_offload.base import Locality
+
+    options = {} if locality is None else {"locality": locality}
+    manager = make_manager(server.url, **options)
+    try:
+        tier = manager.secondary_tiers[0]
+        expected = Locality((locality or "REMOTE").upper())
+        assert tier.locality is expected
+    finally:
+        manager.shutdown()
+
+
+def test_a_bad_locality_is_refused_by_name(server):
+    with pytest.raises(ValueError, match="locality 'nearby'.*LOCAL, REMOTE"):
+        make_manager(server.url, locality="nearby")

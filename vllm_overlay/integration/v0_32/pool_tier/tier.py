@@ -24,7 +24,9 @@ fails and vLLM recomputes), cluster, TLS/auth and the in-flight bounds.
 Config (an entry of ``secondary_tiers``): ``type: SharedPoolTier``,
 ``module_path: vllm_overlay.integration.v0_32.pool_tier`` and the pool's
 options (``url``, ``namespace``, ``cluster``, timeouts, limits, ``ttl_s``,
-TLS and secret options: ``core/pool/config.py``)."""
+TLS and secret options: ``core/pool/config.py``); optionally ``locality``
+(``REMOTE``, the default, or ``LOCAL``: upstream's factory also picks its
+back-pressure watermarks by it) and upstream's ``backpressure``."""
 
 from __future__ import annotations
 
@@ -70,6 +72,17 @@ _VERDICT = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult
 YIELD_S = 0.0005
 
 
+def _locality(value) -> Locality:
+    if value is None:
+        return Locality.REMOTE
+    names = [m.value for m in Locality]
+    if not isinstance(value, str) or value.upper() not in names:
+        raise ValueError(
+            f"SharedPoolTier: locality {value!r} is not one of {', '.join(names)}"
+        )
+    return Locality(value.upper())
+
+
 class SharedPoolTier(SecondaryTierManager):
     # Remote memory: reported as its own cache-hit source ("external"),
     # never as this node's host memory.
@@ -95,7 +108,9 @@ class SharedPoolTier(SecondaryTierManager):
             backpressure_detector=backpressure_detector,
         )
         require_dependencies()  # one clear error now, not a dead thread later
-        self.locality = Locality.REMOTE
+        # Upstream's factory passes ``locality`` on (it also picks the
+        # back-pressure defaults by it); the pool is remote unless told.
+        self.locality = _locality(options.pop("locality", None))
         self.config = PoolConfig.from_dict(options)
         spec_config = offloading_spec.config
         chunk = self.block_size_bytes
@@ -180,13 +195,22 @@ class SharedPoolTier(SecondaryTierManager):
         return head, payload
 
     def _stored(self, job_id: int, outcome) -> None:
-        """The store thread (or submit_store): the chunks are free again."""
+        """The store thread (or submit_store): the chunks are free again.
+        A store succeeds when every chunk is in the pool; one that was not
+        (dropped over the in-flight limit, writes paused, or failed) fails:
+        upstream counts it as a failed cascade and keeps it out of its
+        back-pressure detector.  ``transfer_bytes``: the chunks written."""
         with self._stores_lock:
             start = self._stores.pop(job_id, None)
             if start is None:
                 return  # reported failed by drain_jobs already
             self._done.append(
-                JobResult(job_id, success=True, transfer_time=time.monotonic() - start)
+                JobResult(
+                    job_id,
+                    success=outcome.complete,
+                    transfer_time=time.monotonic() - start,
+                    transfer_bytes=outcome.written * self.block_size_bytes,
+                )
             )
 
     # -- loads: pool -> primary chunk ----------------------------------------
