@@ -50,7 +50,7 @@ def register() -> str:
     global _outcome
     with _lock:
         if _outcome is not None:
-            return _outcome
+            return _status(_outcome)
         if envs.DISABLE.flag():
             _outcome = f"disabled by {envs.DISABLE.name}"
             logger.info("vllm-overlay: %s; stock vLLM", _outcome)
@@ -71,11 +71,13 @@ def register() -> str:
             )
             _outcome = f"unsupported vLLM {version}"
             return _outcome
+        from vllm_overlay import patch_features
         from vllm_overlay.patches import apply_all
         from vllm_overlay.version_gate import check_installed_release
 
         check_installed_release(entry, version)
         apply_all(entry)
+        patch_features.install()
         if feature_runs_on("connectors", version):
             from vllm_overlay.connectors import register_connectors
 
@@ -91,4 +93,18 @@ def register() -> str:
             version,
             RELEASES[entry],
         )
-        return _outcome
+        return _status(_outcome)
+
+
+def _status(outcome: str) -> str:
+    """``"applied"``, or which patches did not apply (their target was gone
+    when their module loaded: patches wait for it, so a later call may say
+    more), each with the feature that is refused at startup for it."""
+    if outcome != "applied":
+        return outcome
+    from vllm_overlay.core.patching import REGISTRY
+
+    failed = [
+        f"{s.patch.id} ({s.patch.feature}: {s.detail})" for s in REGISTRY.failed()
+    ]
+    return f"applied; not applied: {'; '.join(failed)}" if failed else outcome

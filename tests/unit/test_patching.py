@@ -126,6 +126,29 @@ def test_missing_target_is_reported_not_raised(fake_module):
     assert state.status == "failed" and "Nope" in state.detail
 
 
+def test_a_gone_module_level_target_fails_loudly(fake_module, caplog):
+    """A module-level patch replaces: its target gone (upstream renamed the
+    function) is a failure, logged as an error naming the feature, never
+    an "added" attribute nobody calls."""
+    registry = PatchRegistry()
+    with caplog.at_level("ERROR", logger="vllm.overlay"):
+        state = registry.add(
+            Patch(
+                id="T-9",
+                module=fake_module.__name__,
+                target="build_config",
+                new=lambda: None,
+                feature="a feature",
+                **ENTRY,
+            )
+        )
+    assert state.status == "failed"
+    assert "has no attribute 'build_config'" in state.detail
+    assert not hasattr(fake_module, "build_config")
+    assert registry.failed() == [state]
+    assert "patch T-9" in caplog.text and "uses a feature is refused" in caplog.text
+
+
 def test_skipped_patch_is_recorded_and_not_applied(fake_module):
     registry = PatchRegistry()
     state = registry.add(

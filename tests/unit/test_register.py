@@ -15,18 +15,25 @@ import pytest
 from vllm_overlay import is_supported_version
 
 PROBE = """
-import json, logging, sys, vllm
+import importlib, json, logging, os, sys, vllm
 logging.basicConfig(level=logging.INFO)
 if len(sys.argv) > 1:
     vllm.__version__ = sys.argv[1]
+gone = os.environ.get("PROBE_GONE")  # module:attribute a patch release removed
+if gone:
+    module, name = gone.split(":")
+    delattr(importlib.import_module(module), name)
 import vllm_overlay
 from vllm_overlay.core.patching import REGISTRY
 first = vllm_overlay.register()
 second = vllm_overlay.register()
 from vllm.attention.backends.abstract import AttentionBackend
-applied = [s.patch.id for s in REGISTRY.states() if s.status == "applied"]
+states = REGISTRY.states()
+applied = [s.patch.id for s in states if s.status == "applied"]
 print("RESULT:" + json.dumps({"first": first, "second": second,
-      "applied": applied, "states": len(REGISTRY.states()),
+      "applied": applied, "states": len(states),
+      "status": {s.patch.id: s.status for s in states},
+      "loaded": [s.patch.id for s in states if s.patch.module in sys.modules],
       "has_keyword": "include_num_layers_dimension" in
           AttentionBackend.get_kv_cache_stride_order.__code__.co_varnames}))
 """
@@ -57,6 +64,28 @@ def test_register_twice_applies_once():
     assert result["states"] == len(all_patches())
     assert "CL-01" in result["applied"]
     assert log.count("vllm-overlay 0.1.0 applied to vLLM 0.11.2") == 1
+    # Each patch whose module is loaded is applied; the rest wait for theirs.
+    status = result["status"]
+    assert result["loaded"] and set(result["applied"]) == set(result["loaded"])
+    assert set(status.values()) <= {"applied", "pending"}, status
+
+
+def test_a_patch_whose_target_is_gone_is_reported_not_applied():
+    """A release without CL-06's target class: register() says which patch
+    did not apply and the feature refused for it, on every call (it used
+    to say "applied"), and the failure is logged as an error."""
+    rc, result, log = run_probe(
+        PROBE_GONE="vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend"
+    )
+    assert rc == 0, log
+    assert result["status"]["CL-06"] == "failed"
+    assert [pid for pid, st in result["status"].items() if st == "failed"] == ["CL-06"]
+    for outcome in (result["first"], result["second"]):
+        assert outcome.startswith(
+            "applied; not applied: CL-06 (cross-layer KV blocks: target not found"
+        ), outcome
+    assert "ERROR" in log and "patch CL-06" in log
+    assert "a configuration that uses cross-layer KV blocks is refused" in log
 
 
 def test_wrong_vllm_version_warns_and_patches_nothing():

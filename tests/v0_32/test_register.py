@@ -16,20 +16,16 @@ def result():
 
 
 def test_the_0_32_patch_set_is_registered(result):
+    """Every patch of the set, each with what happened to it: applied where
+    its module is loaded (the front end's EngineArgs, the engine core),
+    waiting for its module otherwise (nothing built an engine here), none
+    failed (register() would say "applied; not applied: ...")."""
     assert result["outcome"] == "applied"
-    assert set(result["patches"]) == {
-        "CL32-01",
-        "EC32-01",
-        "EC32-02",
-        "MLA32-01",
-        "OF32-01",
-        "OF32-02",
-        "OF32-03",
-        "PP32-01",
-        "PP32-02",
-        "PP32-03",
-        "PP32-04",
-        "PT32-01",
+    waiting = ("CL32-01", "MLA32-01", "OF32-01", "OF32-02", "OF32-03", "PT32-01")
+    applied = ("EC32-01", "EC32-02", "PP32-01", "PP32-02", "PP32-03", "PP32-04")
+    assert result["patches"] == {
+        **dict.fromkeys(waiting, "pending"),
+        **dict.fromkeys(applied, "applied"),
     }
 
 

@@ -7,7 +7,12 @@ such as the model runner into the front-end process.
 
 The registry keeps every original, refuses to patch one target twice, and
 records what happened to each patch (applied / skipped and why / waiting for
-its module) for ``python -m vllm_overlay doctor``.
+its module / failed) for ``python -m vllm_overlay doctor``.  A patch fails
+when its target is gone: a class on its path, or a module-level attribute
+it replaces (module-level patches replace; only class attributes may be
+added).  A failure is logged as an error naming the feature, ``register()``
+reports it, and a configuration that needs the feature is refused at
+startup (``vllm_overlay.patch_features``).
 """
 
 from __future__ import annotations
@@ -108,12 +113,14 @@ class PatchRegistry:
                 for part in path:
                     owner = getattr(owner, part)
             except AttributeError as exc:
-                state.status, state.detail = "failed", f"target not found: {exc}"
-                logger.warning(
-                    "vllm-overlay: patch %s (%s) not applied: %s",
-                    patch.id,
-                    patch.symbol,
-                    state.detail,
+                self._fail(state, f"target not found: {exc}")
+                return
+            if not isinstance(owner, type) and not hasattr(owner, name):
+                self._fail(
+                    state,
+                    f"target not found: {type(owner).__name__} "
+                    f"{getattr(owner, '__name__', owner)!r} has no attribute "
+                    f"{name!r}",
                 )
                 return
             if isinstance(owner, type):
@@ -133,10 +140,27 @@ class PatchRegistry:
                 "vllm-overlay: %s %s (%s)", state.detail, patch.symbol, patch.id
             )
 
+    @staticmethod
+    def _fail(state: PatchState, detail: str) -> None:
+        patch = state.patch
+        state.status, state.detail = "failed", detail
+        logger.error(
+            "vllm-overlay: patch %s (%s) did not apply: %s; a configuration "
+            "that uses %s is refused at startup",
+            patch.id,
+            patch.symbol,
+            detail,
+            patch.feature,
+        )
+
     # -- queries --------------------------------------------------------
     def states(self) -> list[PatchState]:
         with self._lock:
             return list(self._states.values())
+
+    def failed(self) -> list[PatchState]:
+        """The patches whose target was gone when their module loaded."""
+        return [state for state in self.states() if state.status == "failed"]
 
     def state(self, patch_id: str) -> PatchState:
         return self._states[patch_id]

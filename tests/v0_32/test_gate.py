@@ -1,0 +1,69 @@
+"""The version gate and the patches on real vLLM 0.32 meeting changed
+upstream code (run_gate.py): a 0.32 patch release is admitted only with
+the touched files of a tested release, byte for byte, and a patch whose
+target is gone is reported by ``register()`` and refuses, at startup, the
+configurations that use its feature (and only those)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run
+
+MANAGER = "vllm/v1/kv_offload/tiering/manager.py"
+
+
+def test_a_patch_release_with_the_tested_files_is_patched():
+    result = run("run_gate.py", {"case": "release", "version": "0.32.1"}).result
+    assert result["register"] == {"error": None}
+    assert result["outcome"] == "applied"
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.32.7.post1"])
+def test_a_patch_release_that_changed_a_file_the_overlay_relies_on_is_refused(
+    version,
+):
+    """The tiering manager is not patched nor imported by the overlay, but
+    its drain contract is relied on: a release that changed it is refused
+    at startup, the file named."""
+    config = {"case": "release", "version": version, "change": MANAGER}
+    result = run("run_gate.py", config).result
+    refused = result["register"]
+    assert refused["error"] == "UnsupportedVLLMVersion"
+    assert f"found vLLM {version} as installed" in refused["message"]
+    assert f"these installed files differ: {MANAGER} " in refused["message"]
+    assert "outcome" not in result  # register() raised: nothing was applied
+
+
+def test_a_patch_whose_target_is_gone_refuses_its_feature_at_startup():
+    """Upstream renamed ``build_offloading_config`` (PT32-01's target):
+    ``register()`` says so, the pool tier is refused in the front end with
+    one line naming the patch and the feature, and what does not use the
+    feature (stock, plain CPU offloading) still starts."""
+    config = {
+        "case": "gone",
+        "module": "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+        "name": "build_offloading_config",
+    }
+    result = run("run_gate.py", config).result
+    assert result["patches"]["PT32-01"] == "failed"
+    failed = [pid for pid, status in result["patches"].items() if status == "failed"]
+    assert failed == ["PT32-01"]
+    for outcome in (result["outcome"], result["outcome_after"]):
+        assert outcome.startswith("applied; not applied: PT32-01 (shared KV pool tier")
+        assert "has no attribute 'build_offloading_config'" in outcome
+    assert result["stock"] == {"error": None}
+    assert result["offloading"] == {"error": None}
+    refused = result["pool_tier"]
+    assert refused["error"] == "PatchNotApplied"
+    message = refused["message"]
+    assert "\n" not in message
+    assert message.startswith(
+        "vllm-overlay: shared KV pool tier (secondary tier "
+        "'vllm_overlay.integration.v0_32.pool_tier') needs patch PT32-01 "
+        "(vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector."
+        "build_offloading_config), which did not apply on vLLM 0.32.0: "
+        "target not found"
+    )
+    assert message.endswith(
+        "or remove secondary tier 'vllm_overlay.integration.v0_32.pool_tier'."
+    )
