@@ -287,3 +287,15 @@ def test_the_factorys_locality_key_is_accepted(server, locality):
 def test_a_bad_locality_is_refused_by_name(server):
     with pytest.raises(ValueError, match="locality 'nearby'.*LOCAL, REMOTE"):
         make_manager(server.url, locality="nearby")
+
+
+def test_the_front_ends_check_takes_locality_as_the_tier_does():
+    """The front end checks a pool tier's options as the tier reads them
+    (integration/v0_32/config_check.py): ``locality`` is not refused."""
+    from vllm_overlay.integration.v0_32 import config_check
+
+    entry = {**TIER, "url": "redis://127.0.0.1:6379"}
+    refusal = config_check.pool_tier_refusal
+    assert refusal("e", 0, {**entry, "locality": "REMOTE"}) is None
+    refusal = refusal("e", 0, {**entry, "locality": "near"})
+    assert "locality 'near' is not one of LOCAL, REMOTE" in refusal

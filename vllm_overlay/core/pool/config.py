@@ -178,6 +178,26 @@ def parse_url(url: str) -> ParsedURL:
     )
 
 
+# A pool tier's entry in vLLM 0.32's ``secondary_tiers`` reaches the tier
+# less ``type``, ``module_path`` and ``backpressure`` (upstream's factory
+# takes those out): the pool's options, and ``locality``, which is the
+# tier's (upstream also picks back-pressure watermarks by it).
+LOCALITIES = ("LOCAL", "REMOTE")
+
+
+def tier_options(options: dict) -> tuple[dict, str]:
+    """A pool tier's options split into the pool's (for
+    ``PoolConfig.from_dict``) and its locality (``REMOTE`` unless given;
+    case-insensitive); ValueError names a bad one."""
+    pool = dict(options)
+    locality = pool.pop("locality", None)
+    if locality is None:
+        return pool, "REMOTE"
+    if not isinstance(locality, str) or locality.upper() not in LOCALITIES:
+        raise ValueError(f"locality {locality!r} is not one of {', '.join(LOCALITIES)}")
+    return pool, locality.upper()
+
+
 def _read_secret(secret_file: str | None, secret_env: str | None) -> bytes | None:
     """The shared secret (at least 16 bytes), or None."""
     if secret_file is not None and secret_env is not None:

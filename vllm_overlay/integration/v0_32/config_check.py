@@ -105,11 +105,11 @@ def pool_tier_refusal(where: str, index: int, tier) -> str | None:
             f"{POOL_TIER_CLASS!r}, not type {tier.get('type')!r}: set "
             f'"type": "{POOL_TIER_CLASS}"'
         )
-    from vllm_overlay.core.pool.config import PoolConfig
+    from vllm_overlay.core.pool.config import PoolConfig, tier_options
 
     options = {k: v for k, v in tier.items() if k not in FACTORY_KEYS}
     try:
-        PoolConfig.from_dict(options)
+        PoolConfig.from_dict(tier_options(options)[0])  # less locality
     except (TypeError, ValueError) as exc:
         return f"{key} ({POOL_TIER_CLASS}): {exc}"
     return None

@@ -52,7 +52,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_overlay.core.pool import codec
-from vllm_overlay.core.pool.config import PoolConfig
+from vllm_overlay.core.pool.config import PoolConfig, tier_options
 from vllm_overlay.core.pool.errors import require_dependencies
 from vllm_overlay.core.pool.keys import namespace_tag, pool_key
 from vllm_overlay.core.pool.pool import GRACE_S, KVPool
@@ -70,17 +70,6 @@ _VERDICT = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult
 # the scheduler lets them run for at most this long (a wait on an event of
 # this process, set when a load is done: never on the network).
 YIELD_S = 0.0005
-
-
-def _locality(value) -> Locality:
-    if value is None:
-        return Locality.REMOTE
-    names = [m.value for m in Locality]
-    if not isinstance(value, str) or value.upper() not in names:
-        raise ValueError(
-            f"SharedPoolTier: locality {value!r} is not one of {', '.join(names)}"
-        )
-    return Locality(value.upper())
 
 
 class SharedPoolTier(SecondaryTierManager):
@@ -110,8 +99,9 @@ class SharedPoolTier(SecondaryTierManager):
         require_dependencies()  # one clear error now, not a dead thread later
         # Upstream's factory passes ``locality`` on (it also picks the
         # back-pressure defaults by it); the pool is remote unless told.
-        self.locality = _locality(options.pop("locality", None))
-        self.config = PoolConfig.from_dict(options)
+        pool_options, locality = tier_options(options)
+        self.locality = Locality(locality)
+        self.config = PoolConfig.from_dict(pool_options)
         spec_config = offloading_spec.config
         chunk = self.block_size_bytes
         self.ns = namespace_tag(
