@@ -129,7 +129,10 @@ COMMIT_TEXT: dict[str, tuple[str, str]] = {
         "budget the whole pipeline's, split by layers. create_engine_config\n"
         "rejects a bad configuration before any engine process starts: no\n"
         "budget, a VLLM_PP_LAYER_PARTITION that does not split the model,\n"
-        "less than one block on a stage. The split itself is the next commit.\n"
+        "less than one block on a stage; and it keeps an explicit\n"
+        "--kv-cache-memory-bytes as the budget where the CPU platform\n"
+        "replaces it with VLLM_CPU_KVCACHE_SPACE. The split itself is the\n"
+        "next commit.\n"
         "\n"
         "As proposed in PR #25164.",
     ),

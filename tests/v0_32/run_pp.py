@@ -11,8 +11,10 @@ only the engine config (``EngineArgs.create_engine_config``, what ``LLM``
 and ``vllm serve`` do first) for bad configurations of the flag, and parses
 the command line flag; it reports each outcome.
 
-``VLLM_CPU_KVCACHE_SPACE`` is removed when ``kv_bytes`` is given: on 0.32 the
-CPU platform lets it replace ``kv_cache_memory_bytes``.  The engine runs
+``VLLM_CPU_KVCACHE_SPACE`` (1 GiB, ``cpu_defaults``) is removed when
+``kv_bytes`` is given without the flag: on 0.32 the CPU platform lets it
+replace ``kv_cache_memory_bytes``.  With the flag it stays: the explicit
+budget wins (PP32-03).  The engine runs
 with ``compilation_config.mode=1`` (TORCHDYNAMO_DISABLE=1 makes it eager):
 with ``enforce_eager`` and an explicit KV size, 0.32's ``CPUWorker`` skips
 its warm-up, the stages after the first never allocate their
@@ -56,7 +58,8 @@ def generate(config: dict) -> dict:
 
     kwargs = {}
     if config.get("kv_bytes"):
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if not config.get("flag"):  # stock: the variable would replace it
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         kwargs["kv_cache_memory_bytes"] = config["kv_bytes"]
     if "flag" in config:
         kwargs["additional_config"] = {"enable_pp_prop_kv_cache": config["flag"]}

@@ -111,6 +111,16 @@ CASES = {
         '"type": "SharedPoolTier"',
     ),
     "good_pool_tier": (tiered(namespace="prod"), {}, None),
+    # --enable-pp-prop-kv-cache: the explicit budget wins over the CPU
+    # platform's VLLM_CPU_KVCACHE_SPACE (1 GiB here), split 12 + 4 MiB.
+    "pp_budget_over_env": (
+        [
+            *("--dtype", "float32", "--pipeline-parallel-size", "2"),
+            *("--enable-pp-prop-kv-cache", "--kv-cache-memory-bytes", "16M"),
+        ],
+        {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PP_LAYER_PARTITION": "3,1"},
+        None,
+    ),
 }
 
 
@@ -137,6 +147,14 @@ def test_refused_in_create_engine_config(front_end, name):
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][2] is None])
 def test_good_configurations_pass(front_end, name):
     assert front_end[name]["error"] is None, front_end[name]
+
+
+def test_the_explicit_pp_budget_wins_over_the_cpu_kv_space(front_end):
+    """With the flag, --kv-cache-memory-bytes 16M is the pipeline's budget
+    although VLLM_CPU_KVCACHE_SPACE=1 is set (the CPU platform replaced it
+    with 1 GiB): 64 blocks per stage (test_pp_budget_cpu runs the engine)."""
+    got = front_end["pp_budget_over_env"]["value"]
+    assert got == {"kv_cache_memory_bytes": 16 * 2**20, "stage_blocks": [64, 64]}
 
 
 def serve_refusal(name: str, tmp_path: pathlib.Path) -> tuple[int, str]:

@@ -8,8 +8,11 @@ and keeps the smallest stage's blocks.  Tokens and logprobs equal stock
 0.32 PP=2's: bit for bit one request at a time (the same schedule; no
 request waits for blocks in either run), and as a batch (whose steps form by
 timing across the stage processes) tokens exactly and logprobs within stock
-0.32's measured float32 drift.  Bad configurations fail at startup with
-0.11.2's errors (PP32-03); the command line flag (PP32-01, PP32-02).
+0.32's measured float32 drift.  The flag's runs keep
+``VLLM_CPU_KVCACHE_SPACE=1`` set: the explicit budget wins over it
+(PP32-03; stock 0.32's CPU platform replaces it).  Bad configurations fail
+at startup with 0.11.2's errors (PP32-03); the command line flag (PP32-01,
+PP32-02).
 """
 
 from __future__ import annotations

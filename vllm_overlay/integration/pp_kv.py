@@ -91,6 +91,29 @@ def stage_budgets(vllm_config) -> list[StageBudget]:
     ]
 
 
+def keep_explicit_budget(engine_args, vllm_config) -> None:
+    """Front end: with the flag, an explicit ``--kv-cache-memory-bytes`` is
+    the pipeline's budget.  The CPU platform replaces it with
+    ``VLLM_CPU_KVCACHE_SPACE`` when that is set (its config update, inside
+    ``create_engine_config``); the explicit value is put back, and logged."""
+    explicit = getattr(engine_args, "kv_cache_memory_bytes", None)
+    cache_config = vllm_config.cache_config
+    if (
+        not enabled(vllm_config)
+        or explicit is None
+        or cache_config.kv_cache_memory_bytes == explicit
+    ):
+        return
+    logger.info(
+        "vllm-overlay: %s: --kv-cache-memory-bytes %d B is the pipeline's KV "
+        "budget, not the %s B the platform set (VLLM_CPU_KVCACHE_SPACE)",
+        CLI_FLAG,
+        explicit,
+        cache_config.kv_cache_memory_bytes,
+    )
+    cache_config.kv_cache_memory_bytes = explicit
+
+
 def validate_pp_kv_budget(vllm_config) -> None:
     """Front end: reject a bad configuration before any worker starts."""
     if not enabled(vllm_config):

@@ -6,8 +6,10 @@ before it builds its parser, so it appears in ``--help``);
 ``additional_config["enable_pp_prop_kv_cache"]`` (EngineArgs has no field
 for it, and ``additional_config`` reaches the engine core and every worker;
 ``LLM(additional_config=...)`` users set it directly);
-``create_engine_config`` validates it (budget given, partition matches the
-model, one block fits on every stage) before any engine process starts;
+``create_engine_config`` keeps an explicit ``--kv-cache-memory-bytes`` as
+the budget (the CPU platform replaces it with ``VLLM_CPU_KVCACHE_SPACE``)
+and validates it (budget given, partition matches the model, one block
+fits on every stage) before any engine process starts;
 on 0.32 it also refuses there what 0.32 would fail on only after the model
 loaded or at the first request (``integration/v0_32/config_check``).
 
@@ -51,8 +53,12 @@ def create_engine_config(self, *args, **kwargs):
         if error:
             raise ValueError(error)  # one line: the key and the fix
     # runtime only: end
-    from vllm_overlay.integration.pp_kv import validate_pp_kv_budget
+    from vllm_overlay.integration.pp_kv import (
+        keep_explicit_budget,
+        validate_pp_kv_budget,
+    )
 
+    keep_explicit_budget(self, config)
     validate_pp_kv_budget(config)
     return config
 
@@ -74,7 +80,9 @@ def engine_args_patches(ids: tuple[str, str, str], upstream: str, removal: str):
         "additional_config, which reaches the engine core and every worker.",
         "create_engine_config": "Reject a bad configuration (no byte budget, a "
         "partition that does not match the model, less than one block on a "
-        "stage) in the front end, with the values named. On 0.32 also, in "
+        "stage) in the front end, with the values named; keep an explicit "
+        "--kv-cache-memory-bytes as the budget where the CPU platform "
+        "replaces it with VLLM_CPU_KVCACHE_SPACE. On 0.32 also, in "
         "one line naming the key and the fix, what the engine would fail on "
         "only after the model loaded or at the first request "
         "(integration/v0_32/config_check).",
