@@ -41,7 +41,14 @@ class NodeDied(RuntimeError):
 class NodeProc:
     """A node process: commands on its stdin, JSON lines back on a pipe."""
 
-    def __init__(self, name: str, config: dict, log_dir: pathlib.Path, env: dict):
+    def __init__(
+        self,
+        name: str,
+        config: dict,
+        log_dir: pathlib.Path,
+        env: dict,
+        script: pathlib.Path = NODE_SCRIPT,
+    ):
         self.name = name
         read_fd, write_fd = os.pipe()
         self.log_path = log_dir / f"node-{name}.log"
@@ -49,7 +56,7 @@ class NodeProc:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                str(NODE_SCRIPT),
+                str(script),
                 json.dumps({**config, "name": name, "result_fd": write_fd}),
             ],
             stdin=subprocess.PIPE,
@@ -89,7 +96,16 @@ class NodeProc:
             self.proc.stdin.write(json.dumps(cmd) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
-            raise NodeDied(f"node {self.name}: {exc}\n{self.log_tail()}") from exc
+            raise NodeDied(f"node {self.name}: {exc}; {self.why_dead()}") from exc
+
+    def why_dead(self) -> str:
+        """The exit status and the node's own error report (or its log)."""
+        with self._cv:
+            err = self._replies.get(("error", None))
+        rc = self.proc.poll()
+        if err is not None:
+            return f"exited (rc={rc}) with:\n{err['traceback']}"
+        return f"exited (rc={rc}); its log ends:\n{self.log_tail()}"
 
     def wait_for(self, kind: str, tag=None, timeout_s: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -123,10 +139,11 @@ class NodeProc:
             return self.done[req_id]
 
     def request(self, op: str, wait_s: float = 60.0, **fields) -> dict:
-        """Send ``op`` (stats, drain) and wait ``wait_s`` for its reply."""
+        """Send ``op`` (stats, drain, or a node's own command, which
+        replies with its name) and wait ``wait_s`` for its reply."""
         tag = f"{op}-{time.monotonic_ns()}"
         self.send(op=op, tag=tag, **fields)
-        reply = {"stats": "stats", "drain": "drained"}[op]
+        reply = {"stats": "stats", "drain": "drained"}.get(op, op)
         return self.wait_for(reply, tag, wait_s)
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -152,8 +169,9 @@ class NodeProc:
 
 class Cluster:
     """The pool server (``kind``: vllm_overlay/testing/redis.py), the secret,
-    two pool nodes and (``stock``) a stock node.  A context manager:
-    everything it started is stopped on exit."""
+    two pool nodes and (``stock``) a stock node, each running ``script``
+    (a node of this interpreter's vLLM release: chaos_node.py for 0.11.2).
+    A context manager: everything it started is stopped on exit."""
 
     def __init__(
         self,
@@ -161,6 +179,7 @@ class Cluster:
         stock: bool = True,
         num_blocks: int = 48,
         kind: str = DEFAULT_KIND,
+        script: pathlib.Path = NODE_SCRIPT,
     ) -> None:
         from support.redis_server import RedisServer
 
@@ -185,6 +204,7 @@ class Cluster:
                 {"url": self.server.url, "pool": pool, "num_blocks": num_blocks},
                 workdir,
                 env,
+                script,
             )
             for name in ("a", "b")
         ]
@@ -194,6 +214,7 @@ class Cluster:
                 {"url": None, "num_blocks": 256, "logprobs": True},
                 workdir,
                 {**env, "VLLM_OVERLAY_DISABLE": "1"},
+                script,
             )
             if stock
             else None

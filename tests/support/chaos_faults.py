@@ -193,12 +193,17 @@ class FaultInjector:
 
 
 def schedule(
-    seed: int, faults: int, first: int = 0, gap_s=(3.0, 7.0), duration_s=(2.0, 4.0)
+    seed: int,
+    faults: int,
+    first: int = 0,
+    gap_s=(3.0, 7.0),
+    duration_s=(2.0, 4.0),
+    kinds=KINDS,
 ):
-    """A seeded list of (gap before, kind, duration): the kinds in turn from
-    ``KINDS[first]`` (every kind once when ``faults`` allows), in a seeded
-    order, with seeded gaps and durations."""
+    """A seeded list of (gap before, kind, duration): ``kinds`` in turn
+    from ``kinds[first]`` (every kind once when ``faults`` allows), in a
+    seeded order, with seeded gaps and durations."""
     rng = random.Random(seed)
-    kinds = [KINDS[(first + i) % len(KINDS)] for i in range(faults)]
+    kinds = [kinds[(first + i) % len(kinds)] for i in range(faults)]
     rng.shuffle(kinds)
     return [(rng.uniform(*gap_s), kind, rng.uniform(*duration_s)) for kind in kinds]

@@ -43,6 +43,7 @@ class Node:
         self.refusals: dict[str, int] = {}
         self.loads: dict[str, int] = {}  # request id -> loads started
         self.pending: dict[str, dict] = {}  # request id -> its record
+        self.errors: list[str] = []  # what a command found wrong (final)
         self._install_excepthook()
 
     # -- output ----------------------------------------------------------
@@ -246,7 +247,7 @@ class Node:
         self.start()
         self.emit("ready", pid=os.getpid())
         while True:
-            busy = self.engine.has_unfinished_requests()
+            busy = self.busy()
             try:
                 cmd = self.commands.get(block=not busy, timeout=None if busy else 0.05)
             except queue.Empty:
@@ -256,25 +257,39 @@ class Node:
                 if op == "submit":
                     self.submit(cmd)
                 elif op == "stats":
-                    self.emit(
-                        "stats",
-                        tag=cmd.get("tag"),
-                        totals=self.totals(),
-                        threads=self.pool_threads(),
-                        state=self.state(),
-                        refusals=dict(self.refusals),
-                        thread_errors=self.thread_errors,
-                    )
+                    self.emit("stats", tag=cmd.get("tag"), **self.stats())
                 elif op == "drain":
-                    pool = self.pools().get("worker")
-                    ok = pool.drain(cmd.get("timeout_s", 5.0)) if pool else True
+                    ok = self.drain(cmd.get("timeout_s", 5.0))
                     self.emit("drained", tag=cmd.get("tag"), ok=ok)
                 elif op == "finish":
                     self.finish(cmd.get("timeout_s", 60.0))
                     return
+                else:  # a subclass's command: its reply is named after it
+                    self.emit(op, tag=cmd.get("tag"), **self.command(cmd))
                 continue
             if busy:
                 self.step()
+
+    def busy(self) -> bool:
+        """Whether the engine has a step to run now."""
+        return self.engine.has_unfinished_requests()
+
+    def stats(self) -> dict:
+        return dict(
+            totals=self.totals(),
+            threads=self.pool_threads(),
+            state=self.state(),
+            refusals=dict(self.refusals),
+            thread_errors=self.thread_errors,
+        )
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until the worker's queued stores and loads are done."""
+        pool = self.pools().get("worker")
+        return pool.drain(timeout_s) if pool else True
+
+    def command(self, cmd: dict) -> dict:
+        raise ValueError(f"chaos node: unknown command {cmd['op']!r}")
 
     def finish(self, timeout_s: float) -> None:
         """Finish what runs, then report whether every block came back."""
@@ -291,14 +306,14 @@ class Node:
         settle = time.monotonic() + min(20.0, max(1.0, deadline - time.monotonic()))
         n = 0
         while True:
-            if self.pools().get("worker") is not None:
-                self.pools()["worker"].drain(1.0)
+            self.drain(1.0)
             self.submit({"id": f"settle-{n}", "prompt": "hello", "max_tokens": 2})
             n += 1
             while self.engine.has_unfinished_requests():
                 if time.monotonic() > settle:
                     break
                 self.step()
+            self.drain(1.0)  # what the settle request left to the connector
             free = bp.get_num_free_blocks()
             if free == total or time.monotonic() > settle:
                 break
@@ -317,6 +332,7 @@ class Node:
             refusals=dict(self.refusals),
             thread_errors=self.thread_errors,
             loads_per_request=self.loads,
+            errors=self.errors,
         )
 
     def _connector_requests(self) -> dict:
@@ -330,9 +346,8 @@ class Node:
         return out
 
 
-def main() -> None:
-    config = json.loads(sys.argv[1])
-    node = Node(config)
+def main(node_class=Node, config: str | None = None) -> None:
+    node = node_class(json.loads(config if config is not None else sys.argv[1]))
     try:
         node.run()
     except BaseException as exc:  # reported, then the process ends

@@ -7,7 +7,7 @@ import statistics
 import time
 
 from support.chaos_faults import VALUES
-from support.chaos_run import ERROR_COUNTERS, Episode
+from support.chaos_run import ERROR_COUNTERS, Episode, pool_totals
 
 # Threads each pool node must still have at the end: the scheduler's pool
 # looks up, the worker's stores and loads (the health thread exists only
@@ -127,7 +127,7 @@ def _final_problems(name: str, final: dict) -> list[str]:
     if final["scheduler_requests"]:
         out.append(f"{where}: scheduler still holds {final['scheduler_requests']}")
     threads = final["threads"]
-    for role in ("scheduler", "worker"):
+    for role in final["totals"]:  # each pool's threads
         dead = [t for t, alive in threads.get(role, {}).items() if not alive]
         if dead:
             out.append(f"{where}: {role} pool thread(s) dead: {dead}")
@@ -153,6 +153,8 @@ def _final_problems(name: str, final: dict) -> list[str]:
         )
     for err in final["thread_errors"]:
         out.append(f"{where}: thread {err['thread']} raised:\n{err['error']}")
+    for err in final.get("errors", ()):  # what a node command found wrong
+        out.append(f"node {name}: {err}")
     return out
 
 
@@ -178,14 +180,14 @@ def summary(episodes: list[Episode], finals: dict) -> dict:
     errors = {k: 0 for k in ERROR_COUNTERS}
     refusals: dict[str, int] = {}
     for final in finals.values():
-        for role in ("scheduler", "worker"):
-            for k in ERROR_COUNTERS:
-                errors[k] += final["totals"].get(role, {}).get(k, 0)
+        totals = pool_totals(final["totals"])
+        for k in ERROR_COUNTERS:
+            errors[k] += totals.get(k, 0)
         for reason, n in final["refusals"].items():
             refusals[reason] = refusals.get(reason, 0) + n
     served = sum(1 for ep in episodes for s in ep.sent.values() if s.result)
     loaded = sum(
-        f["totals"].get("worker", {}).get("loaded_blocks", 0) for f in finals.values()
+        pool_totals(f["totals"]).get("loaded_blocks", 0) for f in finals.values()
     )
     return {
         "requests_sent": sum(len(ep.sent) for ep in episodes),

@@ -45,6 +45,17 @@ ERROR_COUNTERS = (
 )
 
 
+def pool_totals(totals: dict) -> dict:
+    """A node's counters summed over its pools (``totals``: role -> the
+    pool's ``cumulative()``; 0.11.2's nodes have a scheduler and a worker
+    pool, 0.32's one tier pool)."""
+    out: dict = {}
+    for counters in totals.values():
+        for k, v in counters.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 @dataclasses.dataclass
 class Sent:
     req: Request
@@ -212,7 +223,7 @@ class Episode:
         self.nodes[dst].request("drain", wait_s=30.0, timeout_s=10.0)
         stats_after = self.stats(dst)
         self._traffic = True
-        worker = [s["totals"].get("worker", {}) for s in (stats_before, stats_after)]
+        worker = [pool_totals(s["totals"]) for s in (stats_before, stats_after)]
         refusals = {
             reason: n - stats_before["refusals"].get(reason, 0)
             for reason, n in stats_after["refusals"].items()
@@ -232,6 +243,12 @@ class Episode:
             "refusals": refusals,
         }
 
+    def fault(self, kind: str, duration_s: float, src: int, dst: int) -> dict:
+        """Inject one fault (a subclass adds kinds); what it did."""
+        if kind in TIMED:
+            return self.timed_fault(kind, duration_s)
+        return self.value_fault(kind, src, dst)
+
     def run(self, schedule, tail_s: float = 5.0, min_s: float = 0.0) -> None:
         """``schedule``: (gap, kind, duration) per fault; [] for a
         fault-free run.  Traffic goes on for ``tail_s`` after the last
@@ -239,11 +256,8 @@ class Episode:
         for i, (gap, kind, duration) in enumerate(schedule):
             self.traffic(gap)
             src, dst = (0, 1) if i % 2 == 0 else (1, 0)
-            if kind in TIMED:
-                fault = self.timed_fault(kind, duration)
-            else:
-                fault = self.value_fault(kind, src, dst)
-            fault = {"kind": kind, **fault, **self.resumes()}
+            fault = {"kind": kind, **self.fault(kind, duration, src, dst)}
+            fault.update(self.resumes())
             fault["threads"] = {
                 node.name: self.stats(j)["threads"] for j, node in enumerate(self.nodes)
             }
