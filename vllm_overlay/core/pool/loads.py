@@ -37,6 +37,7 @@ class PoolLoads:
     _loads: set
     _loads_done: collections.deque
     _load_q: queue.Queue
+    on_result: object
 
     def submit_load(
         self,
@@ -151,6 +152,8 @@ class PoolLoads:
         with self._lock:
             self._pending_loads -= 1
         LOADS_DONE.set()
+        if self.on_result is not None:
+            self.on_result()
 
     def _load(self, client, job: LoadJob) -> None:
         keys, n, into, landed = job.keys, job.n, job.into, job.landed

@@ -28,6 +28,7 @@ class PoolLookups:
     _threads: dict
     _lookup_q: queue.Queue
     _lookups_ready: bool
+    on_result: object
 
     def submit_lookup(self, keys: list[bytes]) -> LookupTicket:
         """Start a lookup; the ticket is done at once (a miss) when reads
@@ -143,5 +144,7 @@ class PoolLookups:
             for ticket in batch:
                 if ticket is not STOP and not ticket.done:
                     ticket._finish(None)
+            if live and self.on_result is not None:
+                self.on_result()  # answered: a caller may wake
             if stop:
                 self._lookup_q.put(STOP)

@@ -61,6 +61,12 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
     in the background, so the first lookup does not pay for the connection
     (otherwise it starts with the first lookup)."""
 
+    # Called on a pool thread each time a result is ready to be polled (a
+    # lookup answered, a load's result queued), after it is: lets a caller
+    # that sleeps meanwhile wake (the 0.32 tier: the engine's idle wait).
+    # Must return at once and not raise.
+    on_result = None
+
     def __init__(
         self, config: PoolConfig, io_threads: bool = True, lookups: bool = False
     ) -> None:

@@ -20,12 +20,15 @@ benchmarks/RESULTS.md).  A request waits on the connector in two ways:
 
 ``idle_wait`` makes such a step wait first, at most ``IDLE_WAIT_S``, on
 ``TRANSFER_DONE``, which this process's CPU offloading worker sets as each
-transfer completes and the pool tier as each of its loads does (a worker in
-another process, or another tier: a plain bounded sleep).  Nothing waits
-when any request runs or is new since the last step, a finished load is
-still to be promoted, or finished requests are still to be sent to the
-workers; a new request from the front end is picked up within
-``IDLE_WAIT_S``.
+transfer completes and the pool tier each time its pool answers a lookup
+or queues a load's result (always after the result is there to be taken;
+a worker in another process, or another tier: a plain bounded sleep).  This
+is the only place the scheduler's thread waits for a transfer: the tiers'
+own methods never do.  Nothing waits when any request runs or is new since
+the last step, a finished load is still to be promoted, or finished
+requests are still to be sent to the workers; a new request from the front
+end is picked up within ``IDLE_WAIT_S``.  The engine counts its waits
+(``kv_idle_waits``) and those a transfer ended early (``kv_idle_wakes``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import threading
 
 IDLE_WAIT_S = 0.002  # the longest an idle step waits for a KV transfer
 # Set by this process's CPU offloading worker when a transfer is done, and
-# by the pool tier when a load has been read.
+# by the pool tier's pool when a lookup is answered or a load is queued.
 TRANSFER_DONE = threading.Event()
 
 
@@ -82,5 +85,6 @@ def idle_wait(engine) -> bool:
         return False
     if TRANSFER_DONE.wait(IDLE_WAIT_S):
         TRANSFER_DONE.clear()
+        engine.kv_idle_wakes = getattr(engine, "kv_idle_wakes", 0) + 1
     engine.kv_idle_waits = getattr(engine, "kv_idle_waits", 0) + 1
     return True

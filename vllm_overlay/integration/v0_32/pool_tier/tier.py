@@ -64,12 +64,6 @@ from vllm_overlay.integration.v0_32.pool_tier.lookups import PoolLookups
 logger = logging.getLogger("vllm.overlay")
 
 _VERDICT = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
-# While the pool works for a waiting request, the engine steps without
-# pause and holds the interpreter; the pool's threads then get it back only
-# at Python's switch interval (5 ms) per read.  At the end of such a step
-# the scheduler lets them run for at most this long (a wait on an event of
-# this process, set when a load is done: never on the network).
-YIELD_S = 0.0005
 
 
 class SharedPoolTier(SecondaryTierManager):
@@ -111,6 +105,9 @@ class SharedPoolTier(SecondaryTierManager):
         self._rows = numpy.asarray(primary_kv_view).view(numpy.uint8)
         self._value_bytes = chunk + codec.HEADER_BYTES
         self.pool = KVPool(self.config, io_threads=True, lookups=True)
+        # A lookup answered or a load's result queued wakes an engine that
+        # waits for it (integration/v0_32/idle_wait); nothing here waits.
+        self.pool.on_result = TRANSFER_DONE.set
         self.pool.check_value_size(self._value_bytes)
         self._lookups = PoolLookups(self.pool, self._name)
         # Results not yet reported (stores; loads failed by drain_jobs).
@@ -150,9 +147,9 @@ class SharedPoolTier(SecondaryTierManager):
         self._lookups.forget(req_context.req_id)
 
     def on_schedule_end(self, context) -> None:
+        # Never waits (upstream's rule for tier methods): an engine with
+        # nothing else to do waits in its idle wait, woken by the pool.
         self._lookups.flush()
-        if self._loads or self._lookups.pending():
-            self.pool.wait_for_loads(YIELD_S)
 
     def has_pending_work(self) -> bool:
         return (
@@ -251,10 +248,7 @@ class SharedPoolTier(SecondaryTierManager):
             if done is None or value is None:
                 done = (self._refusal(names[i], chunks[i], heads[i], value),)
             out.append((done[0], value is not None))
-        # An engine waiting for this promotion (integration/v0_32/idle_wait)
-        # steps now; the result is queued right after this returns.
-        TRANSFER_DONE.set()
-        return out
+        return out  # queued, then the pool wakes the engine (on_result)
 
     def _loaded(self, job_id: int, verdicts) -> JobResult | None:
         if job_id not in self._loads:
