@@ -14,13 +14,20 @@ kinds of window; probes and victims excluded), measured by the engine
 stock engine (tokens compared), and the nodes report their blocks and pool
 threads.
 
+On the vLLM this interpreter runs: 0.11.2 (nodes with the overlay's
+``SharedKVPoolConnector``) or 0.32 (``.venv-0.32``: nodes with upstream's
+``OffloadingConnector``, host memory and the pool tier; chaos_node_v032.py).
+``--kinds``: the fault kinds (default the server and value faults, on
+either release; on 0.32 also ``reset_cache``, ``failed_copy``).
+
     python benchmarks/soak_pool.py --minutes 5 [--repeats 3] [--seed 19]
-        [--json out.json] [--logs DIR]
+        [--json out.json] [--logs DIR] [--kinds sigstop,kill,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import pathlib
 import sys
@@ -30,7 +37,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support.chaos_cluster import Cluster  # noqa: E402
+from support.chaos_cluster import HERE, NODE_SCRIPT, Cluster  # noqa: E402
 from support.chaos_faults import KINDS, FaultInjector, schedule  # noqa: E402
 from support.chaos_report import (  # noqa: E402
     equals_stock,
@@ -39,33 +46,39 @@ from support.chaos_report import (  # noqa: E402
     problems,
     stock_tokens,
 )
-from support.chaos_run import ERROR_COUNTERS, Episode  # noqa: E402
+from support.chaos_run import ERROR_COUNTERS, Episode, pool_totals  # noqa: E402
 from support.chaos_workload import Workload  # noqa: E402
 
 BACKGROUND = ("family", "unrelated")
 FAULT_EVERY_S = 12.0  # about one fault per this many seconds of a faulty window
+V032 = importlib.metadata.version("vllm").startswith("0.32.")
+if V032:
+    from support.chaos_run_v032 import (  # noqa: E402
+        KINDS_V032,
+        Episode032,
+        problems_v032,
+    )
 
 
 def counters(episode: Episode) -> dict[str, int]:
-    """Both pool nodes' error counters (scheduler and worker pools), now."""
+    """Both pool nodes' error counters (all their pools), now."""
     out = dict.fromkeys(ERROR_COUNTERS, 0)
     for j in range(len(episode.nodes)):
-        totals = episode.stats(j)["totals"]
-        for role in ("scheduler", "worker"):
-            for k in ERROR_COUNTERS:
-                out[k] += totals.get(role, {}).get(k, 0)
+        totals = pool_totals(episode.stats(j)["totals"])
+        for k in ERROR_COUNTERS:
+            out[k] += totals.get(k, 0)
     return out
 
 
-def window(cluster, injector, seed: int, tag: str, seconds: float, faulty: bool):
+def window(cluster, injector, seed: int, tag: str, seconds: float, faulty: bool, kinds):
     workload = Workload(seed, tag=tag)
-    episode = Episode(cluster, workload, injector, seed=seed)
+    episode = (Episode032 if V032 else Episode)(cluster, workload, injector, seed=seed)
     before = counters(episode)
     start = time.monotonic()
     plan = []
     if faulty:  # the kinds in turn across windows
         n = max(1, round(seconds / FAULT_EVERY_S))
-        plan = schedule(seed, n, first=sum(injector.counts.values()))
+        plan = schedule(seed, n, first=sum(injector.counts.values()), kinds=kinds)
     episode.run(plan, tail_s=0.0, min_s=seconds)  # the same length either way
     after = counters(episode)
     return {
@@ -93,13 +106,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--json", help="write the raw figures here")
     ap.add_argument("--logs", help="keep the nodes' logs in this folder")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, in turn")
     args = ap.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    unknown = set(kinds) - set(KINDS_V032 if V032 else KINDS)
+    if unknown:
+        ap.error(f"unknown fault kinds on this vLLM: {sorted(unknown)}")
+    script = HERE / "chaos_node_v032.py" if V032 else NODE_SCRIPT
     seconds = args.minutes * 60 / (2 * args.repeats)
     windows = []
     wall = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="soak-pool-") as tmp,
-        Cluster(pathlib.Path(args.logs or tmp)) as cluster,
+        Cluster(pathlib.Path(args.logs or tmp), script=script) as cluster,
     ):
         cluster.wait_ready()
         injector = FaultInjector(cluster.server, cluster.mac_key, args.seed)
@@ -111,18 +130,22 @@ def main() -> None:
                     f"window {tag} ({'faults' if faulty else 'no faults'})", flush=True
                 )
                 windows.append(
-                    window(cluster, injector, args.seed + r, tag, seconds, faulty)
+                    window(
+                        cluster, injector, args.seed + r, tag, seconds, faulty, kinds
+                    )
                 )
         episodes = [w["episode"] for w in windows]
         finals = finish(episodes[0])
         stock = stock_tokens(cluster.stock, episodes)
         found = problems(episodes, finals, stock)
+        if V032:
+            found += [p for ep in episodes for p in problems_v032(ep)]
     wall = time.monotonic() - wall
     figures = {
         k: summarize([w for w in windows if w["faulty"] is k], stock)
         for k in (False, True)
     }
-    faults = {kind: 0 for kind in KINDS}
+    faults = {kind: 0 for kind in kinds}
     for w in windows:
         for f in w["episode"].faults:
             faults[f["kind"]] += 1
@@ -214,7 +237,8 @@ def render(figures: dict, faults: dict, args, wall: float) -> str:
         )
     head = (
         f"soak_pool.py --minutes {args.minutes:g} --repeats {args.repeats} "
-        f"--seed {args.seed}: {wall / 60:.1f} min wall"
+        f"--seed {args.seed} --kinds {args.kinds} (vLLM "
+        f"{importlib.metadata.version('vllm')}): {wall / 60:.1f} min wall"
     )
     return head + "\n\n" + table(rows)
 
