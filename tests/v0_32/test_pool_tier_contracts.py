@@ -21,6 +21,7 @@ from __future__ import annotations
 import mmap
 import pathlib
 import sys
+import threading
 import time
 import uuid
 
@@ -299,3 +300,24 @@ def test_the_front_ends_check_takes_locality_as_the_tier_does():
     assert refusal("e", 0, {**entry, "locality": "REMOTE"}) is None
     refusal = refusal("e", 0, {**entry, "locality": "near"})
     assert "locality 'near' is not one of LOCAL, REMOTE" in refusal
+
+
+# -- 8. leaks -----------------------------------------------------------------
+def pool_threads() -> list[str]:
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("vllm-overlay-pool") and t.is_alive()
+    )
+
+
+def test_a_tier_that_fails_to_start_leaves_no_thread_running(server):
+    """Built by upstream's factory with ``max_inflight_bytes`` below one
+    value: refused, and no pool thread is left reconnecting."""
+    before = pool_threads()
+    with pytest.raises(ValueError, match="max_inflight_bytes"):
+        make_manager(server.url, max_inflight_bytes=1000)
+    deadline = time.monotonic() + 10
+    while pool_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pool_threads() == before

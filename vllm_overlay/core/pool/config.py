@@ -354,6 +354,24 @@ class PoolConfig:
     def load_limit_bytes(self) -> int:
         return self.max_inflight_load_bytes or self.max_inflight_bytes
 
+    def check_value_size(self, value_bytes: int) -> None:
+        """Startup check (a worker knows its value size once its KV cache
+        is registered): every limit must hold at least one value, or
+        nothing would ever be stored or loaded."""
+        for name, limit in (
+            ("max_inflight_bytes", self.max_inflight_bytes),
+            ("max_inflight_load_bytes", self.load_limit_bytes),
+        ):
+            if limit < value_bytes:
+                raise ValueError(
+                    f"KV pool: {name} ({limit} B) is smaller than one value "
+                    f"({value_bytes} B: one block of every layer of this "
+                    f"worker, with its header); nothing could ever be "
+                    f"{'stored' if name == 'max_inflight_bytes' else 'loaded'}. "
+                    f"Set it to at least {value_bytes} (it is host memory "
+                    "allocated at startup)"
+                )
+
     @classmethod
     def from_dict(cls, values: dict) -> PoolConfig:
         known = {f.name for f in dataclasses.fields(cls) if f.init}

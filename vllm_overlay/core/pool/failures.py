@@ -32,14 +32,23 @@ class PoolFailures:
     _monitor: Monitor
     _busy: dict
     _loads: set
+    _closed: threading.Event
 
     def reads_open(self) -> bool:
-        """Lookups and loads go to the network now."""
-        return self.misconfigured is None and self._gates.is_open(READ)
+        """Lookups and loads go to the network now (never once closed)."""
+        return (
+            self.misconfigured is None
+            and not self._closed.is_set()
+            and self._gates.is_open(READ)
+        )
 
     def writes_open(self) -> bool:
-        """Stores go to the network now."""
-        return self.misconfigured is None and self._gates.is_open(WRITE)
+        """Stores go to the network now (never once closed)."""
+        return (
+            self.misconfigured is None
+            and not self._closed.is_set()
+            and self._gates.is_open(WRITE)
+        )
 
     def is_down(self) -> bool:
         return not self.reads_open()
@@ -57,8 +66,11 @@ class PoolFailures:
         return out
 
     def _failed(self, exc: BaseException, what: str, direction: str) -> Failure:
-        """Count, classify and react to a failure; returns its kind."""
+        """Count, classify and react to a failure; returns its kind.  Once
+        the pool is closed, failures are its own hang-ups: not counted."""
         kind = classify(exc)
+        if self._closed.is_set():
+            return kind
         with self._lock:
             self.stats.errors += 1
             self.stats.bad_keys += kind is Failure.BAD_KEY

@@ -160,6 +160,8 @@ class Monitor:
                 self.closed.wait(self.tick_s)
 
     def _try_reopen(self) -> None:
+        if self.closed.is_set():
+            return  # no new PING client once the pool is closed
         closed, until = self.gates.whole_pool_closed()
         if until is None or time.monotonic() < until:
             return

@@ -16,6 +16,12 @@ thread; ``transport.py`` the clients and raw pipelines; ``resp.py`` the
 reply reader; ``jobs.py`` what the threads are handed; ``stats.py`` the
 counters.  ``count_hits`` is a blocking convenience for tests and tools,
 never for vLLM's threads.
+
+``close`` ends it all within ``CLOSE_S``: it hangs up every connection
+(redis-py lets another thread disconnect a connection in use), so a thread
+blocked on the server returns at once; each thread then fails the jobs it
+will not run (a lookup misses, a load fails, a store is not stored) and
+ends, even when its queue is too full for the stop signal.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from vllm_overlay.core.pool.config import PoolConfig
 from vllm_overlay.core.pool.errors import classify
 from vllm_overlay.core.pool.failures import GRACE_S, PoolFailures
 from vllm_overlay.core.pool.health import READ, WRITE, Gates, Monitor, start_thread
-from vllm_overlay.core.pool.jobs import STOP, LoadJob, LookupTicket
+from vllm_overlay.core.pool.jobs import STOP, LoadJob, LookupTicket, StoreJob
 from vllm_overlay.core.pool.loads import PoolLoads
 from vllm_overlay.core.pool.lookups import PoolLookups
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
@@ -44,8 +50,10 @@ from vllm_overlay.core.pool.transport import Unreachable, make_client
 logger = logging.getLogger("vllm.overlay")
 
 MAX_QUEUED_LOOKUPS = 4096  # more waiting: answered "miss" at once
+CLOSE_S = 3.0  # close() returns within this, its threads ended or not
 
 __all__ = [
+    "CLOSE_S",
     "GRACE_S",
     "InPlace",
     "KVPool",
@@ -90,6 +98,7 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
         self._lookup_q: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_LOOKUPS)
         self._closed = threading.Event()
         self._threads: dict[str, threading.Thread] = {}
+        self._clients: dict[str, object] = {}  # thread -> its client (close)
         self._lookups_ready = False  # the lookup thread has connected (or failed)
         self._ping_client = None
         self._monitor = Monitor(
@@ -126,24 +135,24 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
             )
 
     def check_value_size(self, value_bytes: int) -> None:
-        """Startup check (the worker knows its value size once the KV cache
-        is registered): every limit must hold at least one value, or nothing
-        would ever be stored or loaded."""
-        for name, limit in (
-            ("max_inflight_bytes", self.config.max_inflight_bytes),
-            ("max_inflight_load_bytes", self.config.load_limit_bytes),
-        ):
-            if limit < value_bytes:
-                raise ValueError(
-                    f"KV pool: {name} ({limit} B) is smaller than one value "
-                    f"({value_bytes} B: one block of every layer of this "
-                    f"worker, with its header); nothing could ever be "
-                    f"{'stored' if name == 'max_inflight_bytes' else 'loaded'}. "
-                    f"Set it to at least {value_bytes} (it is host memory "
-                    "allocated at startup)"
-                )
+        """``PoolConfig.check_value_size``; a pool that fails it is closed
+        (its threads end) before the error is raised."""
+        try:
+            self.config.check_value_size(value_bytes)
+        except ValueError:
+            self.close()
+            raise
 
     # -- connections --------------------------------------------------------
+    def _connect(self, what: str):
+        """A client for the ``what`` thread, known to ``close``."""
+        client = make_client(self.config)
+        with self._lock:
+            self._clients[what] = client
+        if self._closed.is_set():  # (close ran meanwhile: it missed it)
+            _hang_up(client)
+        return client
+
     def _ping(self) -> None:
         """PING within the monitor: every node of a cluster answers."""
         try:
@@ -223,7 +232,7 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
         # Connect, and run one pipeline (redis-py imports lazily on first
         # use), before the first job needs it.
         try:
-            client = make_client(self.config)
+            client = self._connect(what)
             pipe = client.pipeline(transaction=False)
             pipe.exists(b"vkv:warm-up")
             pipe.execute()
@@ -233,7 +242,8 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
             self._lookups_ready = True
         while True:
             job = jobs.get()
-            if job is STOP:
+            if job is STOP or self._closed.is_set():
+                self._abandon(job)
                 break
             with self._lock:
                 self._busy[what] = (job, self._job_deadline(what, job))
@@ -242,7 +252,7 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
                     self.reads_open() if direction == READ else self.writes_open()
                 ):
                     try:
-                        client = make_client(self.config)
+                        client = self._connect(what)
                     except Exception as exc:  # noqa: BLE001
                         self._failed(exc, "connect", direction)
                 # Without a client the handler sees the gate closed or fails.
@@ -252,9 +262,30 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
             finally:
                 with self._lock:
                     self._busy.pop(what, None)
+        while True:  # closed: what is still queued ends now, failed
+            try:
+                self._abandon(jobs.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            self._clients.pop(what, None)
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+
+    def _abandon(self, job) -> None:
+        """A job its thread will not run (the pool is closed): it ends now
+        as failed (a lookup misses, a load fails, a store is not stored)."""
+        if isinstance(job, LookupTicket):
+            if not job.done:
+                job._finish(None)
+        elif isinstance(job, LoadJob):
+            self._deliver(job, [None] * len(job.keys))
+        elif isinstance(job, StoreJob):
+            self._release_store(job)
+        elif isinstance(job, tuple):  # deletes
+            with self._lock:
+                self._queued_deletes -= len(job[1])
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted store and load is done, its result
@@ -274,14 +305,35 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
         return False
 
     def close(self) -> None:
+        """End the threads and close every connection, within ``CLOSE_S``
+        (see the module doc); reads and writes stay closed after."""
         self._closed.set()
         self._monitor.closed.set()
         self._monitor.wake.set()
         for q in (self._store_q, self._load_q, self._lookup_q):
+            # A full queue has no room: its thread sees _closed instead.
             with contextlib.suppress(queue.Full):
                 q.put_nowait(STOP)
+        with self._lock:
+            clients = [*self._clients.values(), self._ping_client]
+        for client in clients:  # a thread blocked on the server returns now
+            _hang_up(client)
+        deadline = time.monotonic() + CLOSE_S
         for thread in self._threads.values():
-            thread.join(timeout=5)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        ping, self._ping_client = self._ping_client, None
+        if ping is not None:
+            with contextlib.suppress(Exception):
+                ping.close()
+        alive = sorted(n for n, t in self._threads.items() if t.is_alive())
+        if alive:
+            logger.warning(
+                "vllm-overlay KV pool %s: thread(s) %s still running %.0f s "
+                "after close; they end with their current job",
+                self.config.redacted_url,
+                ", ".join(alive),
+                CLOSE_S,
+            )
 
     def take_stats(self) -> PoolStats:
         """The stats since the last call (vLLM's metrics report these)."""
@@ -298,3 +350,16 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
             total.add(self.totals)
             total.add(self.stats)
         return total.as_dict()
+
+
+def _hang_up(client) -> None:
+    """Disconnect every connection of ``client``, those another thread is
+    using too: a read blocked on one ends at once (the thread reconnects
+    only if it goes on)."""
+    if client is None or isinstance(client, Unreachable):
+        return
+    with contextlib.suppress(Exception):
+        if hasattr(client, "disconnect_connection_pools"):  # a cluster
+            client.disconnect_connection_pools()
+        else:
+            client.connection_pool.disconnect(inuse_connections=True)

@@ -104,12 +104,9 @@ class SharedPoolTier(SecondaryTierManager):
         self._layout = codec.layout_tag(identity.layout_description(spec_config, chunk))
         self._rows = numpy.asarray(primary_kv_view).view(numpy.uint8)
         self._value_bytes = chunk + codec.HEADER_BYTES
-        self.pool = KVPool(self.config, io_threads=True, lookups=True)
-        # A lookup answered or a load's result queued wakes an engine that
-        # waits for it (integration/v0_32/idle_wait); nothing here waits.
-        self.pool.on_result = TRANSFER_DONE.set
-        self.pool.check_value_size(self._value_bytes)
-        self._lookups = PoolLookups(self.pool, self._name)
+        # Checked before the pool's threads start (a refused tier leaves
+        # none behind; upstream shuts down only the tiers it has built).
+        self.config.check_value_size(self._value_bytes)
         # Results not yet reported (stores; loads failed by drain_jobs).
         self._done: collections.deque = collections.deque()
         # Stores submitted, not yet done: job id -> submitted at.  A store
@@ -119,7 +116,17 @@ class SharedPoolTier(SecondaryTierManager):
         self._stores_lock = threading.Lock()
         self._loads: dict[int, tuple[list, list, float]] = {}
         self._refusal_log = RateLimitedLog(logger, 10.0)
-        self.pool.probe()  # an unreachable pool is reported now (background)
+        self.pool = KVPool(self.config, io_threads=True, lookups=True)
+        try:
+            # A lookup answered or a load's result queued wakes an engine
+            # that waits for it (integration/v0_32/idle_wait); nothing here
+            # waits.
+            self.pool.on_result = TRANSFER_DONE.set
+            self._lookups = PoolLookups(self.pool, self._name)
+            self.pool.probe()  # an unreachable pool is reported now (background)
+        except BaseException:
+            self.pool.close()
+            raise
         logger.info(
             "vllm-overlay KV pool tier: %s%s, namespace %s (%s), values %s, one "
             "value per host chunk of %d B (%d chunks in the primary tier)",
