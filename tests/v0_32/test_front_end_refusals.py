@@ -111,6 +111,30 @@ CASES = {
         '"type": "SharedPoolTier"',
     ),
     "good_pool_tier": (tiered(namespace="prod"), {}, None),
+    # PP without compilation: vLLM 0.32's CPU worker skips its warm-up and
+    # the first request kills the engine (stock too).
+    "pp_enforce_eager": (
+        ["--pipeline-parallel-size", "2", "--enforce-eager"],
+        {},
+        "--pipeline-parallel-size 2 with --enforce-eager is a vLLM 0.32 CPU "
+        "limit: without compilation the CPU worker skips its warm-up, the "
+        "later stages never allocate their intermediate-tensor buffers and "
+        "the first request kills the engine (assert self.intermediate_tensors "
+        "is not None): remove --enforce-eager (compilation on, e.g. "
+        "-cc.mode=1) or use --pipeline-parallel-size 1",
+    ),
+    "pp_compilation_off": (
+        ["--pipeline-parallel-size", "2", "-cc.mode=0"],
+        {},
+        "--pipeline-parallel-size 2 with compilation mode NONE (-cc.mode=0) is "
+        "a vLLM 0.32 CPU limit: without compilation the CPU worker skips its "
+        "warm-up, the later stages never allocate their intermediate-tensor "
+        "buffers and the first request kills the engine (assert "
+        "self.intermediate_tensors is not None): turn compilation on (e.g. "
+        "-cc.mode=1) or use --pipeline-parallel-size 1",
+    ),
+    "pp_compiled": (["--pipeline-parallel-size", "2", "-cc.mode=1"], {}, None),
+    "eager_without_pp": (["--enforce-eager"], {}, None),
     # --enable-pp-prop-kv-cache: the explicit budget wins over the CPU
     # platform's VLLM_CPU_KVCACHE_SPACE (1 GiB here), split 12 + 4 MiB.
     "pp_budget_over_env": (
@@ -175,7 +199,9 @@ def serve_refusal(name: str, tmp_path: pathlib.Path) -> tuple[int, str]:
     return proc.returncode, log.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("name", ["negative_host_bytes", "misspelled_pool_option"])
+@pytest.mark.parametrize(
+    "name", ["negative_host_bytes", "misspelled_pool_option", "pp_enforce_eager"]
+)
 def test_vllm_serve_exits_with_the_line(name, tmp_path):
     rc, log = serve_refusal(name, tmp_path)
     lines = [ln for ln in log.splitlines() if ln.strip()]

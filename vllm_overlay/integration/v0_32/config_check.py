@@ -16,6 +16,11 @@ with one line naming the key and the fix:
   gets them from upstream's ``SecondaryTierFactory`` (less ``type``,
   ``module_path`` and ``backpressure``), checked by ``PoolConfig``
   (vLLM-free) now rather than in the engine core after the model loaded.
+* pipeline parallelism with compilation mode NONE (``--enforce-eager``) on
+  the CPU platform: vLLM 0.32's CPU worker warms the model up only when it
+  compiles, so the later stages never allocate their intermediate-tensor
+  buffers and the first request kills the engine
+  (``assert self.intermediate_tensors is not None``), in stock 0.32 too.
 """
 
 from __future__ import annotations
@@ -132,6 +137,34 @@ def offloading_refusal(kv_transfer_config, memory: int | None = None) -> str | N
     return None
 
 
+def pp_eager_refusal(vllm_config) -> str | None:
+    """PP > 1 on the CPU platform without compilation (vLLM 0.32)."""
+    from vllm.config import CompilationMode
+    from vllm.platforms import current_platform
+
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp <= 1 or not current_platform.is_cpu():
+        return None
+    if vllm_config.compilation_config.mode != CompilationMode.NONE:
+        return None
+    model = vllm_config.model_config
+    if model is not None and model.enforce_eager:
+        what = "--enforce-eager"
+        fix = "remove --enforce-eager (compilation on, e.g. -cc.mode=1)"
+    else:
+        what = "compilation mode NONE (-cc.mode=0)"
+        fix = "turn compilation on (e.g. -cc.mode=1)"
+    return (
+        f"--pipeline-parallel-size {pp} with {what} is a vLLM 0.32 CPU limit: "
+        "without compilation the CPU worker skips its warm-up, the later "
+        "stages never allocate their intermediate-tensor buffers and the "
+        "first request kills the engine (assert self.intermediate_tensors is "
+        f"not None): {fix} or use --pipeline-parallel-size 1"
+    )
+
+
 def refusal(vllm_config) -> str | None:
     """The first configuration error of the checks above, else None."""
-    return offloading_refusal(vllm_config.kv_transfer_config)
+    return offloading_refusal(vllm_config.kv_transfer_config) or pp_eager_refusal(
+        vllm_config
+    )
