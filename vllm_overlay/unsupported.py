@@ -11,9 +11,11 @@ startup error naming the supported versions
 public extension points:
 
 - the overlay's connector and offloading-spec names are registered with
-  vLLM's factories (the plugin API) and resolve to this module, whose
-  ``__getattr__`` raises the error (engine processes, whatever built the
-  config);
+  vLLM's factories (the plugin API) and resolve to this module.  A
+  connector name's ``__getattr__`` raises the error (engine processes,
+  whatever built the config); a spec name loads, as upstream's factory
+  expects of every registered spec, as an ``OffloadingSpec`` that raises
+  the error when it is built or asked for its metrics;
 - ``EngineArgs.create_engine_config`` refuses an overlay connector, spec or
   ``vllm_overlay.*`` module path, and
   ``additional_config["enable_pp_prop_kv_cache"]``, in the front end before
@@ -56,12 +58,45 @@ def __getattr__(name: str):
             [f"kv_connector {name!r}"], installed_vllm_version(), "connectors"
         )
     if name in OFFLOADING_SPECS:
-        raise unsupported_error(
-            [f"kv_connector_extra_config spec_name {name!r}"],
-            installed_vllm_version(),
-            "connectors",
-        )
+        return _refused_spec(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _spec_error(name: str):
+    return unsupported_error(
+        [f"kv_connector_extra_config spec_name {name!r}"],
+        installed_vllm_version(),
+        "connectors",
+    )
+
+
+@functools.cache
+def _refused_spec(name: str) -> type:
+    """An ``OffloadingSpec`` named NAME that loads (upstream's factory
+    loads every registered spec) and refuses to be used."""
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+    def __init__(self, config, *args, **kwargs):
+        raise _spec_error(name)
+
+    def build_metric_definitions(cls, extra_config):
+        raise _spec_error(name)
+
+    def refused(self, *args, **kwargs):
+        raise _spec_error(name)
+
+    return type(
+        name,
+        (OffloadingSpec,),
+        {
+            "__module__": __name__,
+            "__doc__": f"{name}: refused on this vLLM (the overlay's spec).",
+            "__init__": __init__,
+            "build_metric_definitions": classmethod(build_metric_definitions),
+            "get_manager": refused,
+            "get_worker": refused,
+        },
+    )
 
 
 def install() -> None:

@@ -190,6 +190,14 @@ NOT_STAGED = {
     "in the CPU kernel, csrc/cpu/pos_encoding.cpp)",
 }
 
+# Patches of a staged module that are not staged (id -> why): not of a form
+# render_patch.py turns into an edit.
+NOT_STAGED_PATCHES = {
+    "OF32-02": "replaces the CPUOffloadingWorker name tiering/spec.py imports "
+    "(the worker create_worker builds on CPU); vllm/v1/kv_offload/cpu/spec.py "
+    "imports the class too, so it cannot be edited where it is defined",
+}
+
 
 def all_patch_modules() -> list:
     return list(importlib.import_module(f"vllm_overlay.patches.{PATCH_SET}").MODULES)
@@ -326,7 +334,8 @@ def stage(root: pathlib.Path, ruff: latest_verify.Ruff) -> list[Staged]:
             items.append(Staged("", path, overlay, True, text, ""))
         by_file: dict[str, list] = {}
         for patch in module.PATCHES:
-            by_file.setdefault(edited_file(root, patch), []).append(patch)
+            if patch.id not in NOT_STAGED_PATCHES:
+                by_file.setdefault(edited_file(root, patch), []).append(patch)
         source = rename(pathlib.Path(module.__file__).read_text())
         for path, patches in by_file.items():
             old = (root / path).read_text()
@@ -400,6 +409,10 @@ def render(root: pathlib.Path, staged: list[Staged]) -> dict[str, str]:
         mine = [s for s in staged if s.name.startswith(series + "/")]
         ids = ", ".join(p.id for p in module.PATCHES)
         lines.append(f"# {series}: {ids} ({module.__name__})")
+        for patch in module.PATCHES:
+            why = NOT_STAGED_PATCHES.get(patch.id)
+            if why is not None:
+                lines.append(f"#   {patch.id}: not staged: {why}")
         if needs:
             lines.append(f"#   applies after {', '.join(needs)} (new files it adds)")
         moved = sorted(touched(root, module) & set(differs))

@@ -101,3 +101,13 @@ def test_without_the_patch_it_is_refused_on_cpu(tmp_path, env, error):
     with pytest.raises(AssertionError) as failed:
         run("run_offload.py", {"connector": True, "fs_dir": str(tmp_path)}, **env)
     assert error in str(failed.value)
+
+
+def test_a_shut_down_in_process_engine_unmaps_the_primary_tier(tmp_path, stock):
+    """Issue 27 (8c): the region's mappings (worker's and scheduler's) go
+    with the engine's shutdown while the interpreter lives."""
+    r = run("run_region_release.py", {"fs_dir": str(tmp_path)})
+    assert r.result["tokens"] == field(stock, 0, "tokens")[-1]
+    assert r.result["serving"] == 2  # the worker's slot, the scheduler's view
+    assert r.result["after_shutdown"] == 0
+    assert r.result["file_left"] is False

@@ -14,6 +14,7 @@ engine.
 from __future__ import annotations
 
 import mmap
+import pathlib
 import random
 import uuid
 
@@ -155,6 +156,48 @@ def test_blocks_land_in_the_primary_tiers_view(world, rank, page, tensors, per, 
 
 
 def test_canonical_layout_is_refused_on_cpu():
+    from vllm_overlay.patches.v0_32.patch_tiering_spec import cpu_platform_worker
+
     spec = make_spec(0, 1, 1024, 4, 1, f"overlay-test-{uuid.uuid4().hex}", True)
-    with pytest.raises(NotImplementedError, match="canonical_layout"):
+    # Upstream's create_worker checks the refs first (these have no
+    # mapping); the overlay's worker refuses the layout whatever the refs.
+    with pytest.raises(RuntimeError, match="canonical_layout"):
         spec.get_worker(caches(1024, 4))
+    with pytest.raises(NotImplementedError, match="canonical_layout"):
+        cpu_platform_worker(caches(1024, 4), 1, 8, object(), canonical_layout=True)
+
+
+@pytest.mark.patch_test("OF32-02")
+def test_a_shut_down_worker_leaves_no_region_mapped_nor_held(monkeypatch):
+    """Issue 27 (8c): the worker's exit hook held its region until the
+    interpreter exited; now the hook holds the file's name only, and the
+    region goes with the worker's shutdown: no mapping of its file, no
+    reference to it left."""
+    import gc
+    import weakref
+
+    import vllm.v1.kv_offload.tiering.spec as tiering
+
+    regions = []
+
+    class Recorded(tiering.SharedOffloadRegion):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            regions.append(weakref.ref(self))
+
+    monkeypatch.setattr(tiering, "SharedOffloadRegion", Recorded)
+    engine_id = f"overlay-test-{uuid.uuid4().hex}"
+    name = f"vllm_offload_{engine_id}.mmap"
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for line in maps if name in line)
+
+    worker = make_spec(0, 1, 1024, 4, 1, engine_id).get_worker(caches(1024, 4))
+    assert len(regions) == 1 and mapped() == 1  # built through upstream's names
+    worker.shutdown()
+    del worker
+    gc.collect()
+    assert mapped() == 0
+    assert regions[0]() is None  # nothing holds the region any more
+    assert not pathlib.Path(f"/dev/shm/{name}").exists()

@@ -7,7 +7,7 @@ method returns the overlay's worker (``integration/v0_32/offload_worker``):
 upstream's ``OffloadingConnector``, manager and ``kv_connector_extra_config``
 keys unchanged, bytes moved by ``core/ops``.  ``TieringOffloadingSpec``
 (whose primary tier the scheduler reads through a shared memory region)
-gets its worker from its own ``create_worker``, which OF32-02
+gets its worker from its own ``create_worker``, whose worker OF32-02
 (``patch_tiering_spec``) gives a CPU path; without it, it is refused on CPU
 with a clear error.  Other platforms: upstream's.
 """
@@ -28,10 +28,12 @@ def get_worker(self, kv_caches):
 
         if isinstance(self, TieringOffloadingSpec):
             # runtime only: begin
-            if not getattr(type(self).create_worker, "cpu_platform", False):
+            from vllm.v1.kv_offload.tiering import spec as tiering
+
+            if not getattr(tiering.CPUOffloadingWorker, "cpu_platform", False):
                 raise NotImplementedError(
                     "vllm-overlay: TieringOffloadingSpec on the CPU platform "
-                    "needs patch OF32-02 (its create_worker maps the primary "
+                    "needs patch OF32-02 (its worker maps the primary "
                     "tier's shared region), which is not applied; use "
                     "CPUOffloadingSpec or enable OF32-02"
                 )
