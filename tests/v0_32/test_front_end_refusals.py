@@ -102,6 +102,27 @@ CASES = {
         "(e.g. 8589934592 or 8G for 8 GiB)",
     ),
     "good_host_bytes": (offload(cpu_bytes_to_use=2**26), {}, None),
+    "multi_connector_host_bytes": (
+        [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "MultiConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "connectors": [
+                            json.loads(offload(cpu_bytes_to_use=0)[1]),
+                        ]
+                    },
+                }
+            ),
+        ],
+        {},
+        "--kv-transfer-config: kv_connector_extra_config.connectors[0]"
+        ".kv_connector_extra_config['cpu_bytes_to_use'] is 0: give a positive "
+        "number of bytes of host memory for offloaded KV (e.g. 8589934592 or "
+        "8G for 8 GiB)",
+    ),
     "misspelled_pool_option": (tiered(namespce="prod"), {}, misspelled_message),
     "pool_tier_type": (
         tiered(type="SharedPool"),
