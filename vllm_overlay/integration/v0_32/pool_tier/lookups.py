@@ -38,8 +38,11 @@ class _Flight:
     deadline: float
 
 
-class PoolLookups:
-    """``pool``: a ``KVPool``; ``name(key)`` its pool key for a block key."""
+class LookupVerdicts:
+    """The tier's verdict per block key (held, not held, asked), kept for
+    the requests that asked; the questions go to the ``KVPool``'s lookup
+    part (``core/pool/lookups.py``: tickets, one thread).  ``pool``: a
+    ``KVPool``; ``name(key)`` its pool key for a block key."""
 
     def __init__(self, pool, name: Callable[[bytes], bytes]) -> None:
         self._pool = pool

@@ -59,7 +59,7 @@ from vllm_overlay.core.pool.pool import GRACE_S, KVPool
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
 from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 from vllm_overlay.integration.v0_32.pool_tier import identity, stats
-from vllm_overlay.integration.v0_32.pool_tier.lookups import PoolLookups
+from vllm_overlay.integration.v0_32.pool_tier.lookups import LookupVerdicts
 
 logger = logging.getLogger("vllm.overlay")
 
@@ -122,7 +122,7 @@ class SharedPoolTier(SecondaryTierManager):
             # that waits for it (integration/v0_32/idle_wait); nothing here
             # waits.
             self.pool.on_result = TRANSFER_DONE.set
-            self._lookups = PoolLookups(self.pool, self._name)
+            self._lookups = LookupVerdicts(self.pool, self._name)
             self.pool.probe()  # an unreachable pool is reported now (background)
         except BaseException:
             self.pool.close()
