@@ -2,8 +2,10 @@
 replies, the final report) with 0.32's engine.  With a pool ``url`` it runs
 upstream's ``OffloadingConnector`` with ``TieringOffloadingSpec``: host
 memory (the primary tier, ``cpu_bytes`` of it) and the overlay's
-``SharedPoolTier`` (the pool, ``pool``: its options) as the secondary tier;
-without one, stock vLLM 0.32 (the driver sets ``VLLM_OVERLAY_DISABLE=1``).
+``SharedPoolTier`` (the pool, ``pool``: its options) as the secondary tier,
+and ``kv_load_failure_policy="recompute"`` (a failed load recomputes its
+request); without one, stock vLLM 0.32 (the driver sets
+``VLLM_OVERLAY_DISABLE=1``).
 
     python chaos_node_v032.py '{"name": "a", "url": "redis://...", "result_fd": 5}'
 
@@ -12,9 +14,11 @@ engine until the connector has no transfer left (on 0.32 a chunk reaches
 the pool only through the scheduler: host memory first, then the cascade).
 Commands of its own (each replies with its name):
 
-* ``{"op": "reset", "tag"}``: ``reset_prefix_cache(reset_connector=True)``
-  between two steps, as a weight update or ``pause_generation`` would;
-  replies what was under way before and what the host tier holds after.
+* ``{"op": "reset", "tag", "after"}``:
+  ``reset_prefix_cache(reset_connector=True)`` between two steps, as a
+  weight update or ``pause_generation`` would (with ``after``: once a job
+  of the tier is under way); replies what was under way before and what
+  the host tier holds after.
   An exception is a failure of the node (its final report lists it).
 * ``{"op": "fail_copies", "tag", "store": n, "load": n}``: the next ``n``
   copies of that direction by the overlay's CPU offloading worker raise
@@ -76,11 +80,11 @@ class Node032(Node):
             in_process_engine,
             tiny_engine_args,
         )
-        from vllm_overlay.testing.v0_32 import offload_connector
 
         cpu_defaults()
         in_process_engine(rpc=False)
         from vllm import LLM
+        from vllm.config import KVTransferConfig
 
         kv = None
         if self.config.get("url"):
@@ -90,10 +94,17 @@ class Node032(Node):
                 "url": self.config["url"],
                 **self.config.get("pool", {}),
             }
-            kv = offload_connector(
-                self.config.get("cpu_bytes", HOST_BYTES),
-                spec_name="TieringOffloadingSpec",
-                secondary_tiers=[tier],
+            kv = KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                # A load that fails (a failed copy) recomputes its request;
+                # upstream's default ends the request with an error.
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={
+                    "cpu_bytes_to_use": self.config.get("cpu_bytes", HOST_BYTES),
+                    "spec_name": "TieringOffloadingSpec",
+                    "secondary_tiers": [tier],
+                },
             )
         self.llm = LLM(
             **tiny_engine_args(
