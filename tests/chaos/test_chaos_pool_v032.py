@@ -23,8 +23,8 @@ injected copy failure happened, and the engine went on.
 Runs in .venv-0.32 (``tox -e chaos_v0_32``); skipped on another vLLM.
 Seeded (``CHAOS_SEED``, default 27); ``CHAOS_KINDS=a,b``: only those fault
 kinds (to look at one).  The report and the nodes' logs are written to the
-test's tmp folder.  About 3 minutes on a 2-core machine, a third of it
-starting three engines.
+test's tmp folder.  About 4 minutes on a busy 2-core machine, most of it
+starting three engines (the faults take about a minute).
 """
 
 from __future__ import annotations
