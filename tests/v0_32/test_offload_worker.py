@@ -61,7 +61,10 @@ def test_store_then_load_matches_the_torch_reference(tensors, per, seed):
         assert finish(worker, [1]) == {1: True}
         rows = host_rows(chunks, per, skip, n)
         expect = torch.cat([t.tensor[src] for t in kv.tensors], dim=1)
-        assert torch.equal(worker.host.reshape(-1, PAGE * tensors)[rows], expect)
+        # Upstream's chunk order: tensor after tensor, each one's blocks.
+        host = worker.host.view(16, tensors, per, PAGE)
+        got = torch.stack([host[r // per, :, r % per].reshape(-1) for r in rows])
+        assert torch.equal(got, expect)
         # Load them back into other blocks.
         dst = rng.sample([b for b in range(BLOCKS) if b not in src], n)
         before = [t.tensor.clone() for t in kv.tensors]
@@ -86,7 +89,7 @@ def test_a_failed_transfer_fails_alone():
         good = GPULoadStoreSpec([3], [1], [0])
         worker.submit_store(8, good, CPULoadStoreSpec([1]))
         assert finish(worker, [7, 8]) == {7: False, 8: True}
-        assert torch.equal(worker.host[1, 0], kv.tensors[0].tensor[3])
+        assert torch.equal(worker.host[1], kv.tensors[0].tensor[3])
         assert worker._thread.is_alive()
     finally:
         worker.shutdown()

@@ -4,11 +4,11 @@ The spec's worker-side ``get_worker`` gives the overlay's worker its slot
 of the primary tier's shared region; the scheduler-side ``get_manager``
 maps the same region, and its secondary tiers read and write the primary
 tier through ``primary_kv_view``.  Stored blocks land in that view at this
-rank's slot of each chunk row (block ``j`` of a chunk at ``j`` blocks in, a
-block's KV tensors back to back) and nowhere else; bytes a tier writes
-there are what a load brings back.  Chunk rows back to back and apart
-(padding, another rank's slot).  Real vLLM 0.32 specs and regions, no
-engine.
+rank's slot of each chunk row (upstream's order: tensor after tensor, block
+``j`` of a chunk ``j`` pages into its tensor's part) and nowhere else;
+bytes a tier writes there are what a load brings back.  Chunk rows back
+to back and apart (padding, another rank's slot).  Real vLLM 0.32 specs
+and regions, no engine.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_blocks_land_in_the_primary_tiers_view(world, rank, page, tensors, per, 
         raise
     try:
         assert type(worker).__name__ == "CPUPlatformOffloadingWorker"
-        assert (worker._flat is None) == apart
+        assert (worker._flat is None) == (apart or tensors > 1)
         # What the secondary tiers see: [chunk, row bytes].
         view = numpy.asarray(manager.primary_tier.get_kv_memoryview())
         block = page * tensors
@@ -125,16 +125,15 @@ def test_blocks_land_in_the_primary_tiers_view(world, rank, page, tensors, per, 
         places = [(c, j) for c in chunks for j in range(per)][skip : skip + n]
         for b, (c, j) in zip(src, places):
             for s, t in enumerate(kv.tensors):
-                at = slot + j * block + s * page
+                at = slot + s * page * per + j * page
                 assert numpy.array_equal(view[c, at : at + page], t.tensor[b].numpy())
                 written[c, at : at + page] = True
         assert not view[~written].any()  # nothing else in the region changed
 
         # A tier writes bytes into those places; a load brings them back.
-        for c, j in places:
-            at = slot + j * block
-            view[c, at : at + block] = numpy.random.default_rng(c * per + j).integers(
-                -128, 127, block, dtype=numpy.int8
+        for c in chunks:
+            view[c, slot : slot + block * per] = numpy.random.default_rng(c).integers(
+                -128, 127, block * per, dtype=numpy.int8
             )
         dst = rng.sample([b for b in range(BLOCKS) if b not in src], n)
         before = [t.tensor.clone() for t in kv.tensors]
@@ -144,7 +143,7 @@ def test_blocks_land_in_the_primary_tiers_view(world, rank, page, tensors, per, 
         finish(worker, 2)
         for b, (c, j) in zip(dst, places):
             for s, t in enumerate(kv.tensors):
-                at = slot + j * block + s * page
+                at = slot + s * page * per + j * page
                 assert numpy.array_equal(t.tensor[b].numpy(), view[c, at : at + page])
         untouched = [b for b in range(BLOCKS) if b not in dst]
         for t, old in zip(kv.tensors, before):

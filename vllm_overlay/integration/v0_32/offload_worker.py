@@ -7,16 +7,22 @@ and host memory through an ``OffloadingWorker``; upstream's
 keeps everything else upstream's (the connector, the manager and its
 eviction policies, the ``cpu_bytes_to_use`` sizing, the chunk ids the
 scheduler hands out) and moves the bytes with ``core/ops``' DMA path: one
-``copy_`` per block and KV tensor, and with cross-layer blocks (``BLHNC``:
-one canonical tensor whose row is a block of every layer) one per block,
-consecutive blocks merged into one.
+``copy_`` per KV tensor and run of consecutive blocks inside a chunk; with
+cross-layer blocks (``BLHNC``: one canonical tensor whose row is a block of
+every layer) and chunks back to back, runs also cross chunks.
 
-Host memory is ``num_cpu_chunks`` chunks of ``blocks_per_chunk`` rows,
-each row a block of every KV tensor, back to back.  By default the worker
-allocates it at startup; a caller can hand it in instead (``host``): the
-tiering spec gives it its slot of the primary tier's shared region, which
-the scheduler's secondary tiers read and write.  Chunks may then lie apart
-(padding, other ranks' slots): a transfer then moves chunk by chunk.
+Host memory is ``num_cpu_chunks`` chunks, each laid out as upstream's
+worker lays out its slot of a chunk row (``cpu/gpu_worker.py``: one
+``SharedOffloadRegion.create_next_worker_view`` per KV tensor, in tensor
+order): tensor after tensor, each tensor's ``blocks_per_chunk`` blocks back
+to back.  So a CPU engine and a GPU engine write the same bytes for the
+same KV, and a chunk one wrote (to a pool, a file tier) is one the other
+can load; ``pool_tier/identity.py`` names this order
+(``chunk-order=tensor-major``).  Consecutive blocks of one tensor are
+contiguous in a chunk: one copy per such run and tensor.  By default the
+worker allocates the memory at startup; a caller can hand it in instead
+(``host``): the tiering spec gives it its slot of the primary tier's shared
+region, which the scheduler's secondary tiers read and write.
 Transfers run in submission order on one background thread, never on the
 engine's; a transfer that raises fails alone (its job reports failure and
 vLLM recomputes), and ``wait`` has a deadline.
@@ -30,6 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy
 import torch
@@ -46,8 +53,8 @@ _STOP = object()
 
 class CPUPlatformOffloadingWorker(OffloadingWorker):
     """``host(n)``, if given, returns the host memory: an int8 tensor of
-    ``num_cpu_chunks`` rows of ``n`` bytes (``blocks_per_chunk`` blocks),
-    each row contiguous, rows at any stride.  ``release`` is called at
+    ``num_cpu_chunks`` rows of ``n`` bytes (``blocks_per_chunk`` blocks of
+    every KV tensor), each row contiguous, rows at any stride.  ``release`` is called at
     shutdown, once no transfer touches that memory any more."""
 
     def __init__(
@@ -72,15 +79,23 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                     "vllm-overlay CPU offloading: a KV reference covers part "
                     f"of its tensor's page ({ref.page_size_bytes} of {page} B)"
                 )
-        rows = [
-            kv_caches.tensors[i]
-            .tensor.view(torch.int8)
-            .view(-1, kv_caches.tensors[i].page_size_bytes)
+        pages = [t.page_size_bytes for t in kv_caches.tensors]
+        rows = {
+            i: kv_caches.tensors[i].tensor.view(torch.int8).view(-1, pages[i])
             for i in used
-        ]
-        self.table = BlockTable.from_tensors(rows, 0)
+        }
+        self.table = BlockTable.from_tensors(list(rows.values()), 0)
         self.blocks_per_chunk = blocks_per_chunk
-        chunk_bytes = blocks_per_chunk * self.table.block_bytes
+        # Upstream's chunk: every KV tensor's blocks_per_chunk pages, tensor
+        # after tensor (a tensor no reference uses keeps its place).
+        self._parts: list[_Part] = []
+        offset = 0
+        for i, page in enumerate(pages):
+            if i in rows:
+                table = BlockTable.from_tensors([rows[i]], 0)
+                self._parts.append(_Part(table, offset, blocks_per_chunk * page))
+            offset += blocks_per_chunk * page
+        chunk_bytes = offset
         memory = (host or _allocate(num_cpu_chunks))(chunk_bytes)
         if (
             memory.dtype != torch.int8
@@ -92,14 +107,14 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 f"{chunk_bytes} B, each contiguous; got {tuple(memory.shape)} "
                 f"{memory.dtype} strides {memory.stride()}"
             )
-        # [chunk, block in chunk, byte]; one flat [rows, bytes] view when
-        # the chunks are back to back (one copy for consecutive blocks).
-        self.host = memory.view(
-            num_cpu_chunks, blocks_per_chunk, self.table.block_bytes
-        )
+        self.host = memory  # [chunk, byte]
+        # One tensor filling chunks that lie back to back: its blocks are
+        # one flat run of rows (a copy may cross chunks).
         self._flat = (
-            self.host.view(-1, self.table.block_bytes)
-            if self.host.is_contiguous()
+            memory.view(-1)
+            if memory.is_contiguous()
+            and len(self._parts) == 1
+            and self._parts[0].size == chunk_bytes
             else None
         )
         self._release = release
@@ -115,16 +130,16 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         self._thread.start()
         logger.info(
             "vllm-overlay CPU offloading worker: %d KV tensor(s), %d B per "
-            "block in %d run(s), host memory %.1f MiB (%d chunks of %d "
-            "blocks, %s, %s), copies by core/ops dma on a background thread",
+            "block, host memory %.1f MiB (%d chunks of %d blocks, tensor-major "
+            "as upstream's, %s, %s), copies by core/ops dma on a background "
+            "thread",
             len(rows),
             self.table.block_bytes,
-            self.table.runs_per_block,
             self.host.numel() / 2**20,
             num_cpu_chunks,
             blocks_per_chunk,
             "allocated here" if host is None else "given by the spec",
-            "back to back" if self._flat is not None else "apart: chunk by chunk",
+            "runs across chunks" if self._flat is not None else "chunk by chunk",
         )
 
     # -- the OffloadingWorker interface ---------------------------------------
@@ -176,9 +191,10 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
 
     # -- internals ---------------------------------------------------------------
     def _host_rows(self, chunk_ids, gpu_spec, count: int) -> numpy.ndarray:
-        """The host rows of ``count`` blocks in chunks ``chunk_ids``, the
-        first chunk possibly entered part way (the request's first block
-        index, modulo the blocks per chunk)."""
+        """The host places (``chunk * blocks_per_chunk + block in chunk``)
+        of ``count`` blocks in chunks ``chunk_ids``, the first chunk possibly
+        entered part way (the request's first block index, modulo the blocks
+        per chunk), as upstream's ``compute_sub_block_ptrs`` counts them."""
         per = self.blocks_per_chunk
         chunks = numpy.asarray(chunk_ids, dtype=numpy.int64)
         skip = int(gpu_spec.block_indices[0]) % per if per > 1 else 0
@@ -198,17 +214,22 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         return True
 
     def _move(self, kind: str, ids: torch.Tensor, rows: torch.Tensor) -> int:
-        """Cache blocks ``ids`` <-> host rows ``rows``; copy_ calls made."""
+        """Cache blocks ``ids`` <-> host places ``rows``; copy_ calls made.
+
+        Block ``j`` of a chunk, tensor ``t``: ``j`` pages into that tensor's
+        part of the chunk (its ``blocks_per_chunk`` pages, back to back)."""
         move = gather if kind == "store" else scatter
         if self._flat is not None:
-            return move(self.table, ids, self._flat, "dma", rows)
+            return move(self._parts[0].table, ids, self._flat, "dma", rows)
         per, copies = self.blocks_per_chunk, 0
         chunks = rows // per
         for chunk in chunks.unique().tolist():
             mine = chunks == chunk
-            copies += move(
-                self.table, ids[mine], self.host[chunk], "dma", rows[mine] % per
-            )
+            blocks, places = ids[mine], rows[mine] % per
+            row = self.host[chunk]
+            for part in self._parts:
+                host = row[part.offset : part.offset + part.size]
+                copies += move(part.table, blocks, host, "dma", places)
         return copies
 
     def _run(self) -> None:
@@ -241,6 +262,14 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 self._pending.discard(job_id)
                 self._cond.notify_all()
             TRANSFER_DONE.set()  # an idle engine of this process steps now
+
+
+class _Part(NamedTuple):
+    """One KV tensor's blocks and its part of every chunk."""
+
+    table: BlockTable  # where its blocks live in the KV cache
+    offset: int  # bytes into a chunk
+    size: int  # bytes: blocks_per_chunk pages
 
 
 def _allocate(num_chunks: int) -> Callable[[int], torch.Tensor]:

@@ -3,10 +3,17 @@ pool: the namespace factors of a 0.32 offloading config.
 
 A value is one chunk of the primary (host) tier: the bytes of
 ``blocks_per_chunk`` blocks of every KV group, every worker's in rank
-order, as upstream's host tier lays them out.  That layout does not depend
-on the device's KV cache layout (per-layer or cross-layer blocks fill the
-same chunk: tests/v0_32/test_pool_tier_cpu.py loads across them), so the
-device layout is not a factor; everything that shapes those bytes is."""
+order, as upstream's host tier lays them out: in a worker's slot, tensor
+after tensor, each tensor's blocks back to back (``CHUNK_ORDER``;
+upstream's ``cpu/gpu_worker.py`` and, on CPU, ``integration/v0_32/
+offload_worker.py``).  Until issue 27 the overlay's CPU worker put block
+after block, in values whose factors named no order; ``CHUNK_ORDER`` keeps
+those out of the new namespace, and its layout tag refuses them.  With more
+than one block per chunk the chunk then depends on the device's KV tensors:
+per-layer tensors fill it layer by layer, one cross-layer (``BLHNC``)
+tensor block by block; ``kv-cache-layout`` (upstream's resolved layout
+name) keeps those apart.  Everything else that shapes the bytes is a
+factor too."""
 
 from __future__ import annotations
 
@@ -16,6 +23,10 @@ from vllm_overlay.patches.v0_32.patch_offloading_connector import (
 )
 
 FORMAT = "vllm-shared-kv-pool-tier/1"
+# Inside a worker's slot of a chunk: each KV tensor's blocks_per_chunk pages
+# back to back, tensor after tensor (upstream's create_next_worker_view /
+# create_next_canonical_view, one per tensor in tensor order).
+CHUNK_ORDER = "chunk-order=tensor-major"
 
 
 def host_layout(config) -> str:
@@ -52,6 +63,8 @@ def tier_factors(config, chunk_bytes: int, user_namespace: str) -> list[str]:
         f"parallel=tp{parallel.tp_size}/pp{parallel.pp_size}/pcp{parallel.pcp_size}"
         f"/dcp{parallel.dcp_size}/world{parallel.world_size}",
         f"host-layout={host_layout(config)}",
+        CHUNK_ORDER,
+        f"kv-cache-layout={config.kv_cache_layout}",
         f"chunk-bytes={chunk_bytes}",
         f"namespace={user_namespace}",
     ]
@@ -59,4 +72,7 @@ def tier_factors(config, chunk_bytes: int, user_namespace: str) -> list[str]:
 
 def layout_description(config, chunk_bytes: int) -> str:
     """The value header's layout fingerprint (checked on every load)."""
-    return f"tier-chunk|{host_layout(config)}|chunk-bytes={chunk_bytes}"
+    return (
+        f"tier-chunk|{host_layout(config)}|{CHUNK_ORDER}"
+        f"|kv-cache-layout={config.kv_cache_layout}|chunk-bytes={chunk_bytes}"
+    )
