@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from vllm_overlay.core.pool.config import PoolConfig
 from vllm_overlay.core.pool.errors import Failure, PoolStuck, classify
@@ -23,6 +22,16 @@ GRACE_S = 1.0  # past a job's deadline before the watchdog steps in
 
 
 class PoolFailures:
+    """Owns no state of its own: the gates (``_gates``) and the failure
+    counters are the pool's, written here only.  Reads ``config``,
+    ``misconfigured`` and ``_closed`` (pool.py); sets ``_monitor.wake``;
+    counts ``stats.errors``, ``bad_keys``, ``internal_errors``, ``stuck``,
+    the per-kind fields (``KIND_FIELDS``) and ``pauses`` under ``_lock``.
+    Calls ``_stuck`` (pool.py) and ``_cancel_late_loads`` (loads.py) from
+    ``_watchdog``.  Its interface: ``reads_open``, ``writes_open``,
+    ``_failed``, ``_internal``, ``_ok``; the monitor's ``_watchdog`` and
+    ``_reopened``."""
+
     config: PoolConfig
     stats: PoolStats
     misconfigured: str | None
@@ -30,8 +39,6 @@ class PoolFailures:
     _gates: Gates
     _log: RateLimitedLog
     _monitor: Monitor
-    _busy: dict
-    _loads: set
     _closed: threading.Event
 
     def reads_open(self) -> bool:
@@ -139,25 +146,11 @@ class PoolFailures:
             ping_ms,
         )
 
-    def _stuck(self) -> str | None:
-        """A pool thread busy with one job past its deadline, or None."""
-        now = time.monotonic()
-        with self._lock:
-            busy = list(self._busy.items())
-        return next((what for what, (_, end) in busy if now > end + GRACE_S), None)
-
     def _watchdog(self) -> None:
         """Loads past their deadline (a stuck thread, or queued behind one)
         are cancelled and handed to their caller as failed; a stuck thread
         pauses the pool."""
-        now = time.monotonic()
-        with self._lock:
-            late = [job for job in self._loads if now > job.deadline + GRACE_S]
-        for job in late:
-            if job.guard.cancel(timeout_s=0.05):
-                with self._lock:
-                    self.stats.load_timeouts += 1
-                self._deliver(job, [None] * len(job.keys))
+        self._cancel_late_loads(GRACE_S)
         who = self._stuck()
         if who is not None and self._gates.reason(READ) is not Failure.STUCK:
             self._failed(

@@ -29,6 +29,18 @@ LOADS_DONE = threading.Event()
 
 
 class PoolLoads:
+    """Owns ``_inflight_load``, ``_pending_loads``, ``_loads`` (submitted,
+    not delivered) and ``_loads_done``: only its methods write them, under
+    ``_lock`` (``_loads_done`` is a deque: appended on a pool thread,
+    popped by ``poll_loads``).  Reads ``config`` and ``on_result``; puts
+    jobs on ``_load_q``; counts ``stats.limited_loads``, ``load_timeouts``,
+    ``bytes_in``, ``io_seconds_in``, ``loaded_blocks``, ``load_failures``,
+    ``bad_signatures``.  Calls ``reads_open``, ``_failed``, ``_ok``,
+    ``_internal`` (failures.py), ``_need_io_threads`` (pool.py),
+    ``submit_delete`` and ``_warn_dropped`` (stores.py).  Its interface to
+    the other parts: ``_deliver`` (pool.py's ``_abandon``),
+    ``_loads_idle`` (``drain``), ``_cancel_late_loads`` (``_watchdog``)."""
+
     config: PoolConfig
     stats: PoolStats
     _lock: threading.Lock
@@ -130,6 +142,24 @@ class PoolLoads:
             else:
                 left.append(job.job_id)
         return left
+
+    def _loads_idle(self) -> bool:
+        """Every submitted load's result is queued (``drain``; the caller
+        holds ``_lock``)."""
+        return self._pending_loads == 0
+
+    def _cancel_late_loads(self, grace_s: float) -> None:
+        """For the watchdog: loads more than ``grace_s`` past their deadline
+        (a stuck thread, or queued behind one) are cancelled and handed to
+        their caller as failed."""
+        now = time.monotonic()
+        with self._lock:
+            late = [job for job in self._loads if now > job.deadline + grace_s]
+        for job in late:
+            if job.guard.cancel(timeout_s=0.05):
+                with self._lock:
+                    self.stats.load_timeouts += 1
+                self._deliver(job, [None] * len(job.keys))
 
     def _deliver(self, job: LoadJob, values: list) -> None:
         """Hand a load's result to its caller, once (the load thread, or the

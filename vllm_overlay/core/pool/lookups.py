@@ -21,6 +21,14 @@ from vllm_overlay.core.pool.stats import PoolStats
 
 
 class PoolLookups:
+    """Owns no state.  Reads ``config``, ``_threads`` (the lookup thread
+    starts on first use, ``_start``/``_run``), ``_lookups_ready`` (set by
+    ``_run``) and ``on_result``; puts tickets on ``_lookup_q`` and takes
+    them in batches on the lookup thread; counts ``stats.lookups``,
+    ``hits``, ``misses``, ``lookups_skipped``, ``lookup_timeouts`` under
+    ``_lock``.  Calls ``reads_open``, ``_failed``, ``_ok`` (failures.py)
+    and ``_log``."""
+
     config: PoolConfig
     stats: PoolStats
     _lock: threading.Lock

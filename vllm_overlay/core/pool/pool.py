@@ -22,6 +22,38 @@ never for vLLM's threads.
 blocked on the server returns at once; each thread then fails the jobs it
 will not run (a lookup misses, a load fails, a store is not stored) and
 ends, even when its queue is too full for the stop signal.
+
+Why one object in parts (mixins), not four objects: the parts share what
+must be one for the pool to be right.  One ``_lock`` guards every count
+that a check reads together (``drain`` sees the loads and the stores idle
+at one instant; ``stats`` is one set of counters that ``take_stats``
+swaps whole).  One failure path, ``_failed``, closes the gates every
+part reads, so a server found unreachable by a load also pauses the
+lookups and the stores.  One set of threads, queues and connections,
+which ``close`` ends together.  Split into objects, each would hold a
+reference to the others and to that lock, and the same calls would go
+through attributes.  So each part owns its state, which only its own
+methods write (the constructor sets it), and the others call its
+interface (named in its class doc):
+
+- this file: the threads, their queues and clients (``_threads``,
+  ``_clients``, ``_ping_client``, ``_store_q``, ``_load_q``,
+  ``_lookup_q``), ``_busy`` (what each thread runs, read by ``_stuck``),
+  ``_closed``, ``_lookups_ready`` (set by ``_run``), ``misconfigured``
+  (set by ``probe``), and the shared ``_lock``, ``stats``, ``_gates``,
+  ``_log``, ``_monitor``.  Interface: ``_start``, ``_run``, ``_connect``,
+  ``_stuck``, ``_need_io_threads``.
+- failures.py: no state of its own; it writes the gates and the failure
+  counters.  Interface: ``reads_open``, ``writes_open``, ``_failed``,
+  ``_internal``, ``_ok``, ``_watchdog``.
+- lookups.py: no state of its own; its tickets go through ``_lookup_q``.
+  Interface: ``submit_lookup``, ``abandon``, ``lookup_wait_s``.
+- stores.py: ``_inflight``, ``_queued_deletes``.  Interface:
+  ``submit_delete``, ``_stores_idle``, ``_abandon_store``,
+  ``_warn_dropped``.
+- loads.py: ``_inflight_load``, ``_pending_loads``, ``_loads``,
+  ``_loads_done``.  Interface: ``_deliver``, ``_loads_idle``,
+  ``_cancel_late_loads``.
 """
 
 from __future__ import annotations
@@ -273,6 +305,14 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
             with contextlib.suppress(Exception):
                 client.close()
 
+    def _stuck(self) -> str | None:
+        """A pool thread busy with one job past its deadline (plus
+        ``GRACE_S``), or None."""
+        now = time.monotonic()
+        with self._lock:
+            busy = list(self._busy.items())
+        return next((what for what, (_, end) in busy if now > end + GRACE_S), None)
+
     def _abandon(self, job) -> None:
         """A job its thread will not run (the pool is closed): it ends now
         as failed (a lookup misses, a load fails, a store is not stored)."""
@@ -281,11 +321,8 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
                 job._finish(None)
         elif isinstance(job, LoadJob):
             self._deliver(job, [None] * len(job.keys))
-        elif isinstance(job, StoreJob):
-            self._release_store(job)
-        elif isinstance(job, tuple):  # deletes
-            with self._lock:
-                self._queued_deletes -= len(job[1])
+        elif isinstance(job, (StoreJob, tuple)):  # or deletes
+            self._abandon_store(job)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted store and load is done, its result
@@ -294,12 +331,8 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
         (``cancel_loads`` then stops the loads)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self._lock:
-                if (
-                    self._inflight == 0
-                    and self._pending_loads == 0
-                    and self._store_q.empty()
-                ):
+            with self._lock:  # loads first: a load may queue a delete
+                if self._loads_idle() and self._stores_idle():
                     return True
             time.sleep(0.01)
         return False

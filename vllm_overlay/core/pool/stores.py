@@ -25,6 +25,16 @@ MAX_QUEUED_DELETES = 65536  # keys; more: dropped (a later load refuses again)
 
 
 class PoolStores:
+    """Owns ``_inflight`` (bytes admitted, not yet released) and
+    ``_queued_deletes``: only its methods write them, under ``_lock``.
+    Reads ``config``; puts jobs on ``_store_q``; counts
+    ``stats.dropped_stores``, ``stored_blocks``, ``skipped_existing``,
+    ``bytes_out``, ``io_seconds_out``.  Calls ``writes_open``,
+    ``_failed``, ``_ok``, ``_internal`` (failures.py),
+    ``_need_io_threads`` (pool.py) and ``_log``.  Its interface to the
+    other parts: ``submit_delete`` and ``_warn_dropped`` (loads.py),
+    ``_stores_idle`` and ``_abandon_store`` (pool.py)."""
+
     config: PoolConfig
     stats: PoolStats
     _lock: threading.Lock
@@ -114,6 +124,19 @@ class PoolStores:
                 return
             self._queued_deletes += len(keys)
         self._store_q.put(("delete", keys))
+
+    def _stores_idle(self) -> bool:
+        """No store queued or in flight (``drain``; the caller holds
+        ``_lock``)."""
+        return self._inflight == 0 and self._store_q.empty()
+
+    def _abandon_store(self, job) -> None:
+        """A store or delete job its thread will not run (closed)."""
+        if isinstance(job, StoreJob):
+            self._release_store(job)
+        else:
+            with self._lock:
+                self._queued_deletes -= len(job[1])
 
     def _release_store(self, job: StoreJob) -> None:
         """Once per store job: ``on_done`` runs, then its bytes leave the
