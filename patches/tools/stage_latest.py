@@ -188,6 +188,10 @@ NOT_STAGED = {
     "offloading_connector.py (the pool tier's model config identity)",
     "rotary-embedding": "wraps RotaryEmbedding.forward_cpu (the fix belongs "
     "in the CPU kernel, csrc/cpu/pos_encoding.cpp)",
+    "offloading-worker": "marks a failed store with the count code "
+    "offloading-scheduler reads (the two go together)",
+    "offloading-scheduler": "wraps update_connector_output, with the "
+    "manager's complete_store failing the marked stores for the call",
 }
 
 # Patches of a staged module that are not staged (id -> why): not of a form

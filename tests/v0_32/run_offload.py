@@ -22,6 +22,10 @@ With a tiering spec the result names the primary tier's shared-memory file
 engine ran (``region_named``).  ``"exit": "abrupt"``: the process ends with
 ``os._exit`` once the result is written, as a killed engine would: no
 shutdown, no finalizer.
+``"fail_loads": N``: the worker's first N host-to-device copies raise
+(the engine runs in this process), with ``kv_load_failure_policy``
+``"recompute"`` (``"load_failure_policy"`` overrides it); the result
+counts the failed copies (``failed_loads``).
 ``"model": "mla"``: the tiny DeepSeek (MLA, the ``CPU_MLA`` backend)
 instead of the tiny Llama; it runs without a device prefix cache.
 
@@ -90,6 +94,23 @@ def tier_values(config: dict) -> tuple[str, int] | None:
     return None
 
 
+def fail_loads(count: int, failed: dict) -> None:
+    """The worker's first COUNT loads raise (in-process engine only)."""
+    from vllm_overlay.integration.v0_32.offload_worker import (
+        CPUPlatformOffloadingWorker as Worker,
+    )
+
+    move = Worker._move
+
+    def failing(self, kind, ids, rows):
+        if kind == "load" and failed["n"] < count:
+            failed["n"] += 1
+            raise RuntimeError("injected: a host-to-device copy failed")
+        return move(self, kind, ids, rows)
+
+    Worker._move = failing
+
+
 def main(config: dict) -> dict:
     cpu_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -99,10 +120,17 @@ def main(config: dict) -> dict:
 
     kv = None
     if config.get("connector"):
+        policy = {}
+        if config.get("fail_loads"):
+            fail_loads(config["fail_loads"], out_failed := {"n": 0})
+            policy["kv_load_failure_policy"] = config.get(
+                "load_failure_policy", "recompute"
+            )
         kv = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
             kv_connector_extra_config=extra_config(config),
+            **policy,
         )
     if config.get("model") == "mla":
         # CPU_MLA: on CPUs with AMX tiles vLLM 0.32 would pick AMX_MLA,
@@ -142,6 +170,8 @@ def main(config: dict) -> dict:
             single += run([text])
         out["passes"].append(single)
     out["after"] = llm.collective_rpc(worker_info)[0]
+    if config.get("fail_loads"):
+        out["failed_loads"] = out_failed["n"]
     if tier_values(config) is not None:
         deadline = time.monotonic() + TIER_DEADLINE_S
         while True:

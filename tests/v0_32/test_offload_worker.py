@@ -1,8 +1,9 @@
 """The CPU offloading worker of vLLM 0.32 (integration/v0_32/offload_worker)
 against a plain torch reference: random block ids, chunks of 1 and 2 blocks
 entered part way, per-layer tensors and one packed (cross-layer) tensor,
-store then load round trips; a transfer that raises fails alone; ``wait``
-returns once its jobs are done.  Real vLLM 0.32 specs, no engine."""
+store then load round trips; a transfer that raises fails alone, and
+upstream's consumer (with OF32-04/05) takes its failure; ``wait`` returns
+once its jobs are done.  Real vLLM 0.32 specs, no engine."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+import vllm_overlay
 from vllm_overlay.integration.v0_32.offload_worker import CPUPlatformOffloadingWorker
 
 BLOCKS, PAGE = 24, 96  # device blocks; bytes of one tensor's page
@@ -80,19 +82,69 @@ def test_store_then_load_matches_the_torch_reference(tensors, per, seed):
         worker.shutdown()
 
 
-def test_a_failed_transfer_fails_alone():
+@pytest.mark.patch_test("OF32-04", "OF32-05")
+def test_upstreams_consumer_takes_a_failed_copy():
+    """Upstream's OffloadingConnectorWorker and OffloadingConnector consume
+    the worker's failed results: a failed load is reported finished and
+    failed (failed_recving: the scheduler applies kv_load_failure_policy),
+    a failed store completed with FAILED in its count (OF32-06 completes it
+    as not stored); a good transfer beside them is unaffected."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED
+
+    assert vllm_overlay.register() == "applied"
+    spec = SimpleNamespace(
+        replicated_layout=False,
+        config=SimpleNamespace(parallel=SimpleNamespace(rank=0)),
+    )
+    consumer = OffloadingConnectorWorker(spec, None, None)
     kv = caches(1)
-    worker = CPUPlatformOffloadingWorker(kv, 1, num_cpu_chunks=4)
+    consumer.worker = CPUPlatformOffloadingWorker(kv, 1, num_cpu_chunks=4)
+    connector = OffloadingConnector.__new__(OffloadingConnector)
+    connector.connector_worker = consumer
     try:
-        bad = GPULoadStoreSpec([BLOCKS + 5], [1], [0])  # no such block
-        worker.submit_store(7, bad, CPULoadStoreSpec([0]))
-        good = GPULoadStoreSpec([3], [1], [0])
-        worker.submit_store(8, good, CPULoadStoreSpec([1]))
-        assert finish(worker, [7, 8]) == {7: False, 8: True}
-        assert torch.equal(worker.host[1], kv.tensors[0].tensor[3])
-        assert worker._thread.is_alive()
+        bad, good = (
+            GPULoadStoreSpec([BLOCKS + 5], [1], [0]),
+            GPULoadStoreSpec([3], [1], [0]),
+        )
+        stores = {
+            7: TransferJob("s", bad, CPULoadStoreSpec([0])),
+            8: TransferJob("s", good, CPULoadStoreSpec([1])),
+        }
+        consumer.prepare_store_kv(OffloadingConnectorMetadata({}, stores))
+        loads = {
+            9: TransferJob("bad", CPULoadStoreSpec([1]), bad),
+            10: TransferJob(
+                "good", CPULoadStoreSpec([1]), GPULoadStoreSpec([5], [1], [0])
+            ),
+        }
+        metadata = OffloadingConnectorMetadata(loads, {})
+        connector._connector_metadata = metadata
+        consumer.start_kv_transfers(metadata)
+        consumer.worker.wait({7, 8, 9, 10})
+        results = connector.get_transfer_results(set())
+        assert results.finished_recving == {"bad", "good"}
+        assert results.failed_recving == {"bad"}
+        meta = consumer.build_connector_worker_meta()
+        assert meta.completed_jobs == {7: 1 + FAILED, 8: 1, 9: 1, 10: 1}
+        assert len(meta.transfer_stats.store.sizes) == 1  # the good one only
+        assert torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[3])
+        assert connector.get_transfer_results(set()).failed_recving == set()
+        assert consumer.worker._thread.is_alive()
     finally:
-        worker.shutdown()
+        consumer.worker.shutdown()
 
 
 def test_chunks_that_cannot_hold_the_blocks_are_refused():
@@ -104,3 +156,54 @@ def test_chunks_that_cannot_hold_the_blocks_are_refused():
             )
     finally:
         worker.shutdown()
+
+
+@pytest.mark.patch_test("OF32-06")
+def test_upstreams_scheduler_completes_a_failed_store_as_not_stored():
+    """Upstream's OffloadingConnectorScheduler.update_connector_output with a
+    failed store (FAILED in its count, from OF32-04) and a good one: its
+    bookkeeping runs as upstream's, and the manager's complete_store gets
+    success=False for the failed store only."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+        TransferJobStatus,
+    )
+
+    from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED
+
+    assert vllm_overlay.register() == "applied"
+
+    class Manager:
+        def __init__(self):
+            self.stores = []
+
+        def complete_store(self, keys, req_context, success=True):
+            self.stores.append((sorted(keys), req_context, success))
+
+    scheduler = OffloadingConnectorScheduler.__new__(OffloadingConnectorScheduler)
+    scheduler.manager = manager = Manager()
+    scheduler._stale_job_threshold = 0
+    scheduler._block_id_to_pending_jobs = {}
+    scheduler._chunks_being_loaded = set()
+    scheduler._jobs = {
+        7: TransferJobStatus("r", 2, {"k7"}, True),  # two workers
+        8: TransferJobStatus("r", 2, {"k8"}, True),
+    }
+    scheduler._req_status = {
+        "r": SimpleNamespace(
+            req_context="ctx", transfer_jobs={7, 8}, finished_signaled=False, req=None
+        )
+    }
+    # Worker 0's store 7 failed, worker 1's did not: summed by aggregate().
+    worker0 = OffloadingWorkerMetadata(completed_jobs={7: 1 + FAILED, 8: 1})
+    worker1 = OffloadingWorkerMetadata(completed_jobs={7: 1, 8: 1})
+    meta = worker0.aggregate(worker1)
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+    assert manager.stores == [(["k7"], "ctx", False), (["k8"], "ctx", True)]
+    assert scheduler._jobs == {} and scheduler._req_status["r"].transfer_jobs == set()
+    assert "complete_store" not in vars(manager)  # the manager is its own again

@@ -72,3 +72,18 @@ def test_without_the_patch_upstream_refuses_the_cpu_platform(env):
     with pytest.raises(AssertionError) as failed:
         run("run_offload.py", {"connector": True}, **env)
     assert "only supported on CUDA-alike and XPU GPUs" in str(failed.value)
+
+
+@pytest.mark.patch_test("OF32-04")
+def test_a_failed_load_is_recomputed_and_the_engine_serves_on(stock):
+    """Issue 27 (2): the worker's first host-to-device copy raises.  Its
+    request is recomputed (kv_load_failure_policy "recompute") with stock's
+    tokens, and every later pass loads from host memory again.  Without
+    OF32-04 upstream's consumer asserts and the engine dies."""
+    r = run("run_offload.py", {"connector": True, "fail_loads": 1})
+    assert r.result["failed_loads"] == 1
+    assert all(r.result["resets"])
+    for p in (0, 1, 2):
+        assert field(r, p, "tokens") == field(stock, p, "tokens"), p
+    assert field(r, 2, "cached_tokens") == field(stock, 2, "cached_tokens")
+    assert r.result["after"]["blocks"]["load"] >= 7  # one at a time: loaded

@@ -10,6 +10,8 @@ from vllm_overlay.patches.v0_32 import (
     patch_cpu_offload_spec,
     patch_engine_core,
     patch_offloading_connector,
+    patch_offloading_scheduler,
+    patch_offloading_worker,
     patch_rotary_embedding,
     patch_tiering_spec,
 )
@@ -21,8 +23,11 @@ MODULES = (
     patch_cpu_offload_spec,
     # ... and its TieringOffloadingSpec (CPU primary tier + secondary tiers)
     patch_tiering_spec,
-    # ... whose config names the model config its KV comes from (pool tier)
+    # ... whose config names the model config its KV comes from (pool
+    # tier), and whose failed copies fail their loads, not the engine
     patch_offloading_connector,
+    patch_offloading_worker,
+    patch_offloading_scheduler,
     # Pipeline-parallel KV budget split by layers (--enable-pp-prop-kv-cache)
     patch_arg_utils,
     patch_engine_core,

@@ -10,6 +10,11 @@ quantization, RoPE overrides or prefix hash; they all change the bytes
 under one block hash.  With this patch the config's
 ``extra_config["kv_identity"]`` lists vLLM's own hashes of those configs
 (``kv_identity_factors``), so a shared tier namespaces its keys by them.
+
+``get_transfer_results`` (OF32-05) also returns the loads whose copy failed
+as failed receives (``failed_recving``; OF32-04 in
+``patch_offloading_worker`` collects them), so the scheduler applies
+``kv_load_failure_policy`` to their requests.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
 PATCH_ID = "PT32-01"
+FAILED_LOADS_ID = "OF32-05"
 KV_IDENTITY = "kv_identity"
 
 
@@ -48,6 +54,18 @@ def build_offloading_config(vllm_config, kv_cache_config):
     return dataclasses.replace(config, extra_config=extra)
 
 
+def get_transfer_results(self, finished_req_ids):
+    results = REGISTRY.original(FAILED_LOADS_ID)(self, finished_req_ids)
+    worker = self.connector_worker
+    failed = worker.__dict__.get("_failed_load_req_ids") if worker else None
+    if failed:
+        # Reported finished receiving too (get_finished), as upstream's
+        # scheduler requires of a failed receive.
+        results.failed_recving |= failed & results.finished_recving
+        failed -= results.finished_recving
+    return results
+
+
 PATCHES = [
     Patch(
         id=PATCH_ID,
@@ -66,5 +84,18 @@ PATCHES = [
         "namespaced its keys the same way)",
         removal="Drop once OffloadingConfig carries the model config's hash; "
         "the pool tier then reads it from there.",
+    ),
+    Patch(
+        id=FAILED_LOADS_ID,
+        module=MODULE,
+        target="OffloadingConnector.get_transfer_results",
+        new=get_transfer_results,
+        feature="host offloading on the CPU platform",
+        why="The base class's get_transfer_results reports no failed receives; "
+        "with OF32-04 a load whose copy failed is returned in failed_recving, "
+        "so the scheduler applies kv_load_failure_policy to its request "
+        "instead of running it on KV never written.",
+        upstream="none (OffloadingConnector does not report failed loads)",
+        removal="Drop with OF32-04.",
     ),
 ]
