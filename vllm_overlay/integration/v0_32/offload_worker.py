@@ -16,10 +16,9 @@ worker lays out its slot of a chunk row (``cpu/gpu_worker.py``: one
 ``SharedOffloadRegion.create_next_worker_view`` per KV tensor, in tensor
 order): tensor after tensor, each tensor's ``blocks_per_chunk`` blocks back
 to back.  So a CPU engine and a GPU engine write the same bytes for the
-same KV, and a chunk one wrote (to a pool, a file tier) is one the other
-can load; ``pool_tier/identity.py`` names this order
-(``chunk-order=tensor-major``).  Consecutive blocks of one tensor are
-contiguous in a chunk: one copy per such run and tensor.  By default the
+same KV, and a chunk one wrote (to a file tier, a shared pool) is one the
+other can load.  Consecutive blocks of one tensor are contiguous in a
+chunk: one copy per such run and tensor.  By default the
 worker allocates the memory at startup; a caller can hand it in instead
 (``host``): the tiering spec gives it its slot of the primary tier's shared
 region, which the scheduler's secondary tiers read and write.

@@ -13,11 +13,10 @@ out, and a block they promote is the block the worker loads.  The rest of
 ``create_worker`` (the rank's slot, the region's sizes, the canonical refs'
 check, cleaning the region when the worker cannot be built) stays
 upstream's, and resolves its names through upstream's module.  Inside its
-slot of a chunk row the overlay's worker puts block after block, each with
-its KV tensors back to back; upstream's worker puts tensor after tensor.
-The two agree when a chunk is one block (the default ``block_size``) or
-the cache is one tensor (cross-layer ``BLHNC``); otherwise files a CPU
-engine writes to a persistent tier are for CPU engines with the overlay.
+slot of a chunk row the overlay's worker lays the bytes out as upstream's
+does (tensor after tensor, each tensor's blocks back to back), so a chunk
+a CPU engine writes to a persistent tier or a pool is one a GPU engine
+loads, and the other way round (tests/v0_32/test_chunk_layout.py).
 ``canonical_layout`` is refused on CPU (the overlay's worker moves the
 direct layout only).  Other platforms: upstream's worker.
 
