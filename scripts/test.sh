@@ -8,4 +8,4 @@ cd "$root"
 if (($#)); then
   exec "${OVERLAY_VENV:-$root/.venv}/bin/tox" "$@"
 fi
-exec "${OVERLAY_VENV:-$root/.venv}/bin/tox" -e lint,unit,kernels,e2e,chaos,eval,v0_32,patches
+exec "${OVERLAY_VENV:-$root/.venv}/bin/tox" -e lint,unit,kernels,e2e,chaos,chaos_v0_32,eval,v0_32,patches
