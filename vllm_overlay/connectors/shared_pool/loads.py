@@ -50,19 +50,20 @@ class WorkerLoads:
         for req_id, (block_ids, chain) in meta.loads.items():
             keys = [self._key(h) for h in chain]
             start, n = self._load_ring.alloc(len(keys))
-            checked: list = [None] * len(keys)  # filled as values land
+            checks = codec.LandedChecks(
+                len(keys),
+                functools.partial(self._check_value, block_ids, keys, start),
+            )
             fetched = self.pool.submit_load(
                 req_id,
                 keys,
                 value_bytes=value_bytes,
                 prepare=functools.partial(
-                    self._prepare_load, block_ids, keys, start, checked
+                    self._prepare_load, block_ids, keys, start, checks
                 ),
                 into=functools.partial(self._load_into, block_ids, start),
                 max_keys=n,
-                landed=functools.partial(
-                    self._check_landed, block_ids, keys, start, checked
-                ),
+                landed=checks.landed,
             )
             if n and not fetched:
                 self._load_ring.release(start)
@@ -89,12 +90,13 @@ class WorkerLoads:
         ]
 
     def _check_value(
-        self, block_id: int, key: bytes, row: int, value
+        self, block_ids, keys, start: int, i: int, value
     ) -> codec.BadValue | None:
-        """Runs on the load thread: the refusal of one value (None: good)."""
+        """Runs on the load thread: the refusal of value ``i`` (None: good)."""
+        block_id, row = block_ids[i], start + i
         return codec.refusal(
             self.ns,
-            key,
+            keys[i],
             value,
             lambda: (self._load_ring.heads[row], self._payload_row(block_id, row)),
             self._table.block_bytes,
@@ -102,18 +104,14 @@ class WorkerLoads:
             self._mac_key,
         )
 
-    def _check_landed(self, block_ids, keys, start, checked, i: int, value) -> None:
-        """Runs on the load thread as soon as value ``i`` is read: checked
-        in place while the server sends the next ones."""
-        checked[i] = (self._check_value(block_ids[i], keys[i], start + i, value),)
-
-    def _prepare_load(self, block_ids, keys, start, checked, values) -> ReadyLoad:
+    def _prepare_load(self, block_ids, keys, start, checks, values) -> ReadyLoad:
         """Runs on the pool's load thread (or the watchdog's, for a load
         past its deadline) once the load thread is done writing: each
-        value's check (done as it landed, or now).  With direct loads, a
-        block whose value failed is zeroed here (see _wipe)."""
+        value's check (done as it landed, or now: ``codec.LandedChecks``).
+        With direct loads, a block whose value failed is zeroed here (see
+        _wipe)."""
         try:
-            ready = self._check_load(block_ids, keys, start, checked, values)
+            ready = self._check_load(block_ids, keys, start, checks.verdicts(values))
         except BaseException:
             self._wipe(block_ids)  # every block is reported failed
             raise
@@ -133,16 +131,14 @@ class WorkerLoads:
             for block_id in block_ids:
                 self._cache_rows[block_id].fill(0)
 
-    def _check_load(self, block_ids, keys, start, checked, values) -> ReadyLoad:
+    def _check_load(self, block_ids, keys, start, verdicts) -> ReadyLoad:
         ready = ReadyLoad(start=start)
-        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values)):
-            done = checked[i]
-            exc = done[0] if done is not None else None
-            if done is None or value is None:
-                exc = self._check_value(block_id, key, start + i, value)
+        for i, (block_id, key, (exc, came)) in enumerate(
+            zip(block_ids, keys, verdicts)
+        ):
             if exc is not None:
                 ready.failed_ids.append(block_id)
-                if value is not None:  # refused by its check: integrity
+                if came:  # refused by its check: integrity
                     ready.refused_ids.append(block_id)
                     if exc.delete:
                         ready.delete_keys.append(key)

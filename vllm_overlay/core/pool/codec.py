@@ -11,6 +11,7 @@ over the rest of the header and the payload; zeros when unsigned).
 staging buffer) and ``decode`` (one buffer) check every field; any mismatch
 raises ``BadValue`` and the block is treated as a miss.  Writers send
 ``encode_header`` and the payload as two buffers.  Nothing is pickled.
+``LandedChecks``: a load's values checked as they land (both adapters).
 
 The checksum is XXH3-64 when the ``xxhash`` package is installed (vLLM's
 optional dependency; the pool extra installs it): several times the
@@ -308,3 +309,34 @@ def refusal(
     except BadValue as exc:
         return exc
     return None
+
+
+class LandedChecks:
+    """One load's values checked as they land, shared by both adapters (the
+    0.11.2 connector's worker, the 0.32 pool tier).  ``KVPool.submit_load``
+    calls ``landed(i, value)`` on the load thread as soon as value ``i`` is
+    read (so it is checked in place while the server sends the next ones),
+    and ``verdicts(values)`` once that thread is done writing (its
+    ``prepare``): a value not checked as it landed (missing, or the load
+    cut off) is checked then.  ``refusal(i, value)``: the adapter's
+    ``refusal`` of value ``i`` where it lies (None: good)."""
+
+    __slots__ = ("_refusal", "_checked")
+
+    def __init__(self, n: int, refusal) -> None:
+        self._refusal = refusal
+        self._checked: list = [None] * n  # (refusal,) once checked
+
+    def landed(self, i: int, value) -> None:
+        self._checked[i] = (self._refusal(i, value),)
+
+    def verdicts(self, values: list) -> list[tuple[BadValue | None, bool]]:
+        """Per value: its refusal (None: good), and whether a value came
+        (a refused one that came failed its check: integrity)."""
+        out = []
+        for i, value in enumerate(values):
+            done = self._checked[i]
+            if done is None or value is None:
+                done = (self._refusal(i, value),)
+            out.append((done[0], value is not None))
+        return out

@@ -213,15 +213,17 @@ class SharedPoolTier(SecondaryTierManager):
         chunks = [int(c) for c in job_metadata.chunk_ids]
         names = [self._name(key) for key in keys]
         heads = numpy.empty((len(keys), codec.HEADER_BYTES), dtype=numpy.uint8)
-        checked: list = [None] * len(keys)  # filled as values land
+        checks = codec.LandedChecks(
+            len(keys), functools.partial(self._refusal, names, chunks, heads)
+        )
         self._loads[job_metadata.job_id] = (keys, names, time.monotonic())
         self.pool.submit_load(
             job_metadata.job_id,
             names,
             value_bytes=self._value_bytes,
-            prepare=functools.partial(self._verdicts, names, chunks, heads, checked),
+            prepare=functools.partial(self._verdicts, checks),
             into=functools.partial(self._into, chunks, heads),
-            landed=functools.partial(self._landed, names, chunks, heads, checked),
+            landed=checks.landed,
         )
 
     def _into(self, chunks, heads, i: int, length: int):
@@ -230,10 +232,13 @@ class SharedPoolTier(SecondaryTierManager):
             return None  # read as bytes, refused by its check
         return [heads[i].data, self._rows[chunks[i]].data]
 
-    def _refusal(self, name, chunk, head, value):
+    def _refusal(self, names, chunks, heads, i: int, value):
+        """The load thread: the refusal of value ``i`` (None: good), checked
+        where it lies (``codec.LandedChecks`` calls it)."""
+        head, chunk = heads[i], chunks[i]
         return codec.refusal(
             self.ns,
-            name,
+            names[i],
             value,
             lambda: (head, self._rows[chunk]),
             self._value_bytes - codec.HEADER_BYTES,
@@ -241,21 +246,10 @@ class SharedPoolTier(SecondaryTierManager):
             self.config.mac_key,
         )
 
-    def _landed(self, names, chunks, heads, checked, i: int, value) -> None:
-        """The load thread, as soon as value ``i`` is read: checked in place
-        while the server sends the next ones."""
-        checked[i] = (self._refusal(names[i], chunks[i], heads[i], value),)
-
-    def _verdicts(self, names, chunks, heads, checked, values) -> list:
+    def _verdicts(self, checks, values) -> list:
         """The load thread, once it is done writing: (refusal or None,
         whether a value came) per key."""
-        out = []
-        for i, value in enumerate(values):
-            done = checked[i]
-            if done is None or value is None:
-                done = (self._refusal(names[i], chunks[i], heads[i], value),)
-            out.append((done[0], value is not None))
-        return out  # queued, then the pool wakes the engine (on_result)
+        return checks.verdicts(values)  # queued, then on_result wakes the engine
 
     def _loaded(self, job_id: int, verdicts) -> JobResult | None:
         if job_id not in self._loads:
