@@ -85,6 +85,9 @@ RELIED_ON = {
     "OffloadingConfig the spec, the tiers and PT32-01 read",
     "vllm/v1/kv_offload/cpu/gpu_worker.py": "upstream's host chunk layout, "
     "which the CPU worker and a pool shared with GPU nodes must match",
+    "vllm/v1/kv_offload/cpu/shared_offload_region.py": "the host region whose "
+    "per-tensor views (create_next_worker_view) fix the chunk layout the CPU "
+    "worker writes (tests/v0_32/test_chunk_layout.py)",
     "vllm/v1/core/sched/scheduler.py": "the request queues the idle wait "
     "(integration/v0_32/idle_wait.py) reads",
 }
