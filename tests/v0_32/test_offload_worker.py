@@ -82,7 +82,6 @@ def test_store_then_load_matches_the_torch_reference(tensors, per, seed):
         worker.shutdown()
 
 
-@pytest.mark.patch_test("OF32-04", "OF32-05")
 def test_upstreams_consumer_takes_a_failed_copy():
     """Upstream's OffloadingConnectorWorker and OffloadingConnector consume
     the worker's failed results: a failed load is reported finished and
@@ -158,7 +157,6 @@ def test_chunks_that_cannot_hold_the_blocks_are_refused():
         worker.shutdown()
 
 
-@pytest.mark.patch_test("OF32-06")
 def test_upstreams_scheduler_completes_a_failed_store_as_not_stored():
     """Upstream's OffloadingConnectorScheduler.update_connector_output with a
     failed store (FAILED in its count, from OF32-04) and a good one: its

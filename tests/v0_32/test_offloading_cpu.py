@@ -74,7 +74,6 @@ def test_without_the_patch_upstream_refuses_the_cpu_platform(env):
     assert "only supported on CUDA-alike and XPU GPUs" in str(failed.value)
 
 
-@pytest.mark.patch_test("OF32-04")
 def test_a_failed_load_is_recomputed_and_the_engine_serves_on(stock):
     """Issue 27 (2): the worker's first host-to-device copy raises.  Its
     request is recomputed (kv_load_failure_policy "recompute") with stock's
@@ -87,3 +86,15 @@ def test_a_failed_load_is_recomputed_and_the_engine_serves_on(stock):
         assert field(r, p, "tokens") == field(stock, p, "tokens"), p
     assert field(r, 2, "cached_tokens") == field(stock, 2, "cached_tokens")
     assert r.result["after"]["blocks"]["load"] >= 7  # one at a time: loaded
+
+
+def test_without_of32_04_a_failed_load_kills_the_engine():
+    """The failing half of the test above: upstream's consumer asserts on the
+    failed copy and the engine dies."""
+    with pytest.raises(AssertionError) as failed:
+        run(
+            "run_offload.py",
+            {"connector": True, "fail_loads": 1},
+            VLLM_OVERLAY_SKIP_PATCHES="OF32-04",
+        )
+    assert "transfer_result.success" in str(failed.value)

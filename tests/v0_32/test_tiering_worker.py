@@ -166,7 +166,6 @@ def test_canonical_layout_is_refused_on_cpu():
         cpu_platform_worker(caches(1024, 4), 1, 8, object(), canonical_layout=True)
 
 
-@pytest.mark.patch_test("OF32-02")
 def test_a_shut_down_worker_leaves_no_region_mapped_nor_held(monkeypatch):
     """Issue 27 (8c): the worker's exit hook held its region until the
     interpreter exited; now the hook holds the file's name only, and the

@@ -89,7 +89,6 @@ def _tiering_spec(rank: int, world: int):
     return TieringOffloadingSpec(config)
 
 
-@pytest.mark.patch_test("OF32-02")
 def test_create_worker_is_upstreams_and_builds_through_its_module(monkeypatch):
     import vllm.v1.kv_offload.tiering.spec as tiering
 
