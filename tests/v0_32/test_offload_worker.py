@@ -1,13 +1,20 @@
 """The CPU offloading worker of vLLM 0.32 (integration/v0_32/offload_worker)
 against a plain torch reference: random block ids, chunks of 1 and 2 blocks
 entered part way, per-layer tensors and one packed (cross-layer) tensor,
-store then load round trips; a transfer that raises fails alone, and
-upstream's consumer (with OF32-04/05) takes its failure; ``wait`` returns
-once its jobs are done.  Real vLLM 0.32 specs, no engine."""
+store then load round trips; a transfer that raises is redone, and one
+that keeps raising fails alone; upstream's consumer (with OF32-04/05)
+takes its failure, also under ``python -O``; ``wait`` returns once its
+jobs are done.  Real vLLM 0.32 specs, no engine."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +27,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 import vllm_overlay
-from vllm_overlay.integration.v0_32.offload_worker import CPUPlatformOffloadingWorker
+from vllm_overlay.integration.v0_32.offload_worker import (
+    TRANSFER_RETRIES,
+    CPUPlatformOffloadingWorker,
+)
 
 BLOCKS, PAGE = 24, 96  # device blocks; bytes of one tensor's page
 
@@ -82,12 +92,11 @@ def test_store_then_load_matches_the_torch_reference(tensors, per, seed):
         worker.shutdown()
 
 
-def test_upstreams_consumer_takes_a_failed_copy():
+def consume_failed_copies() -> dict:
     """Upstream's OffloadingConnectorWorker and OffloadingConnector consume
-    the worker's failed results: a failed load is reported finished and
-    failed (failed_recving: the scheduler applies kv_load_failure_policy),
-    a failed store completed with FAILED in its count (OF32-06 completes it
-    as not stored); a good transfer beside them is unaffected."""
+    the worker's results: a store and a load whose copies raise on every
+    attempt (a block id past the cache), and a good store and load beside
+    them.  What the consumer reported (no asserts: also run under -O)."""
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -101,16 +110,14 @@ def test_upstreams_consumer_takes_a_failed_copy():
         OffloadingConnector,
     )
 
-    from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED
-
-    assert vllm_overlay.register() == "applied"
+    status = vllm_overlay.register()
     spec = SimpleNamespace(
         replicated_layout=False,
         config=SimpleNamespace(parallel=SimpleNamespace(rank=0)),
     )
     consumer = OffloadingConnectorWorker(spec, None, None)
     kv = caches(1)
-    consumer.worker = CPUPlatformOffloadingWorker(kv, 1, num_cpu_chunks=4)
+    worker = consumer.worker = CPUPlatformOffloadingWorker(kv, 1, num_cpu_chunks=4)
     connector = OffloadingConnector.__new__(OffloadingConnector)
     connector.connector_worker = consumer
     try:
@@ -132,18 +139,116 @@ def test_upstreams_consumer_takes_a_failed_copy():
         metadata = OffloadingConnectorMetadata(loads, {})
         connector._connector_metadata = metadata
         consumer.start_kv_transfers(metadata)
-        consumer.worker.wait({7, 8, 9, 10})
+        worker.wait({7, 8, 9, 10})
         results = connector.get_transfer_results(set())
-        assert results.finished_recving == {"bad", "good"}
-        assert results.failed_recving == {"bad"}
         meta = consumer.build_connector_worker_meta()
-        assert meta.completed_jobs == {7: 1 + FAILED, 8: 1, 9: 1, 10: 1}
-        assert len(meta.transfer_stats.store.sizes) == 1  # the good one only
-        assert torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[3])
-        assert connector.get_transfer_results(set()).failed_recving == set()
-        assert consumer.worker._thread.is_alive()
+        later = connector.get_transfer_results(set())
+        return {
+            "register": status,
+            "finished_recving": sorted(results.finished_recving),
+            "failed_recving": sorted(results.failed_recving),
+            "completed_jobs": dict(meta.completed_jobs),
+            "stored_stats": len(meta.transfer_stats.store.sizes),
+            "loaded": torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[3]),
+            "failed_later": sorted(later.failed_recving),
+            "alive": worker._thread.is_alive(),
+            "retries": dict(worker.retries),
+            "failed": dict(worker.failed),
+        }
     finally:
-        consumer.worker.shutdown()
+        worker.shutdown()
+
+
+def test_upstreams_consumer_takes_a_failed_copy():
+    """A failed load is reported finished and failed (failed_recving: the
+    scheduler applies kv_load_failure_policy), a failed store completed with
+    FAILED in its count (OF32-06 completes it as not stored); a good
+    transfer beside them is unaffected.  Each failed job was tried
+    1 + TRANSFER_RETRIES times."""
+    from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED
+
+    got = consume_failed_copies()
+    assert got["register"] == "applied"
+    assert got["finished_recving"] == ["bad", "good"]
+    assert got["failed_recving"] == ["bad"]
+    assert got["completed_jobs"] == {7: 1 + FAILED, 8: 1, 9: 1, 10: 1}
+    assert got["stored_stats"] == 1  # the good one only
+    assert got["loaded"]
+    assert got["failed_later"] == []
+    assert got["alive"]
+    assert got["failed"] == {"store": 1, "load": 1}
+    assert got["retries"] == {"store": TRANSFER_RETRIES, "load": TRANSFER_RETRIES}
+
+
+def test_under_python_O_a_failed_load_is_reported_failed():
+    """Issue 27 (2): upstream's get_finished checks success with an
+    ``assert``, which ``python -O`` removes: a failed load was reported
+    finished and its request ran on KV never written.  Under -O (its own
+    process, no engine), with OF32-04/05 the CPU worker's real failed load
+    is still reported failed, never as a success."""
+    here = str(pathlib.Path(__file__).parent)
+    script = (
+        f"import json, sys\nsys.path.insert(0, {here!r})\n"
+        "import test_offload_worker as t\n"
+        "optimized = True\n"
+        "assert not (optimized := False)\n"
+        "print('RESULT:' + json.dumps({'optimized': optimized, "
+        "**t.consume_failed_copies()}, default=str))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-O", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_OVERLAY_SKIP_PATCHES": ""},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT:") :])
+    assert got["optimized"]  # asserts really were off
+    assert got["register"] == "applied"
+    assert got["finished_recving"] == ["bad", "good"]
+    assert got["failed_recving"] == ["bad"]  # never a success
+    assert got["failed"]["load"] == 1
+
+
+def test_a_transfer_that_raises_is_redone(caplog):
+    """A copy that raises once is redone on the worker's thread and the job
+    succeeds (the blocks are stored); one that raises on every attempt is
+    given up after 1 + TRANSFER_RETRIES attempts and reported failed.  Each
+    failed attempt is a warning naming the job; the give-up one error."""
+    kv = caches(1)
+    worker = CPUPlatformOffloadingWorker(kv, 1, num_cpu_chunks=4)
+    move, raised = worker._move, {"n": 0}
+
+    def flaky(kind, ids, rows):
+        if raised["n"] < 1 or int(ids[0]) == 9:
+            raised["n"] += 1
+            raise RuntimeError("injected")
+        return move(kind, ids, rows)
+
+    worker._move = flaky
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.overlay"):
+            store = GPULoadStoreSpec([2], [1], [0])
+            assert worker.submit_store(1, store, CPULoadStoreSpec([0]))
+            assert finish(worker, [1]) == {1: True}
+            assert torch.equal(worker.host[0], kv.tensors[0].tensor[2])
+            lost = GPULoadStoreSpec([9], [1], [0])
+            assert worker.submit_store(2, lost, CPULoadStoreSpec([1]))
+            assert finish(worker, [2]) == {2: False}
+        assert worker.retries == {"store": 1 + TRANSFER_RETRIES, "load": 0}
+        assert worker.failed == {"store": 1, "load": 0}
+        assert worker.blocks == {"store": 1, "load": 0}
+        assert raised["n"] == 1 + (1 + TRANSFER_RETRIES)
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert "store job 1" in warnings[0].getMessage()
+        assert len(warnings) == 1 + TRANSFER_RETRIES
+        assert len(errors) == 1 and "store job 2" in errors[0].getMessage()
+        assert worker._thread.is_alive() and not worker._pending
+    finally:
+        worker.shutdown()
 
 
 def test_chunks_that_cannot_hold_the_blocks_are_refused():

@@ -23,8 +23,18 @@ worker allocates the memory at startup; a caller can hand it in instead
 (``host``): the tiering spec gives it its slot of the primary tier's shared
 region, which the scheduler's secondary tiers read and write.
 Transfers run in submission order on one background thread, never on the
-engine's; a transfer that raises fails alone (its job reports failure and
-vLLM recomputes), and ``wait`` has a deadline.
+engine's, and ``wait`` has a deadline.  A transfer that raises is redone
+from the start on that thread, up to ``TRANSFER_RETRIES`` more times (a
+partly done copy is simply copied again; each failure is a warning naming
+the job and the attempt).  One that still fails is reported failed (an
+error, once): with OF32-04/05/06 upstream's connector then ends or
+recomputes the request of a failed load as ``kv_load_failure_policy`` says
+(``"fail"``, vLLM's default: the request finishes with ``finish_reason``
+``"error"``; ``"recompute"``: its KV is computed again; the worker logs
+which one applies when it starts), and completes a failed store as not
+stored.  Either way the engine serves on and no request runs on KV that was
+not written.  ``retries`` and ``failed`` count, per direction, the attempts
+redone and the jobs given up.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 logger = logging.getLogger("vllm.overlay")
 
 WAIT_DEADLINE_S = 120.0  # wait(): no transfer of a few blocks takes this long
+TRANSFER_RETRIES = 2  # a transfer that raised is redone this many times more
 _STOP = object()
 
 
@@ -119,6 +130,8 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         self._release = release
         self.copies = {"store": 0, "load": 0}  # copy_ calls (tests, logs)
         self.blocks = {"store": 0, "load": 0}
+        self.retries = {"store": 0, "load": 0}  # attempts redone
+        self.failed = {"store": 0, "load": 0}  # jobs given up
         self._jobs: queue.Queue = queue.Queue()
         self._done: collections.deque = collections.deque()
         self._pending: set[int] = set()
@@ -140,6 +153,7 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
             "allocated here" if host is None else "given by the spec",
             "runs across chunks" if self._flat is not None else "chunk by chunk",
         )
+        _log_load_failure_policy()
 
     # -- the OffloadingWorker interface ---------------------------------------
     def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
@@ -232,24 +246,15 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         return copies
 
     def _run(self) -> None:
-        """Transfers in submission order; one that raises fails alone."""
+        """Transfers in submission order; one that raises is redone, then
+        fails alone."""
         while True:
             job = self._jobs.get()
             if job is _STOP:
                 return
             job_id, kind, ids, rows = job
             start = time.perf_counter()
-            ok = True
-            try:
-                self.copies[kind] += self._move(kind, ids, rows)
-                self.blocks[kind] += len(ids)
-            except Exception:  # noqa: BLE001 - this job fails, vLLM recomputes
-                ok = False
-                logger.exception(
-                    "vllm-overlay CPU offloading: %s of %d blocks failed",
-                    kind,
-                    len(ids),
-                )
+            ok = self._transfer(job_id, kind, ids, rows)
             result = TransferResult(
                 job_id,
                 ok,
@@ -261,6 +266,79 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 self._pending.discard(job_id)
                 self._cond.notify_all()
             TRANSFER_DONE.set()  # an idle engine of this process steps now
+
+    def _transfer(self, job_id: int, kind: str, ids, rows) -> bool:
+        """One job's copies, redone from the start while they raise, up to
+        ``TRANSFER_RETRIES`` more times; whether they were done."""
+        tries = 1 + TRANSFER_RETRIES
+        for attempt in range(1, tries + 1):
+            try:
+                self.copies[kind] += self._move(kind, ids, rows)
+            except Exception as e:  # noqa: BLE001 - redone, then failed alone
+                if attempt < tries:
+                    self.retries[kind] += 1
+                    logger.warning(
+                        "vllm-overlay CPU offloading: %s job %d (%d blocks) "
+                        "failed on attempt %d of %d (%s: %s); redoing it",
+                        kind,
+                        job_id,
+                        len(ids),
+                        attempt,
+                        tries,
+                        type(e).__name__,
+                        e,
+                    )
+                    continue
+                self.failed[kind] += 1
+                logger.exception(
+                    "vllm-overlay CPU offloading: %s job %d (%d blocks) failed "
+                    "on all %d attempts; reported failed (%s)",
+                    kind,
+                    job_id,
+                    len(ids),
+                    tries,
+                    "its request is recomputed or ends with an error, as "
+                    "kv_load_failure_policy says"
+                    if kind == "load"
+                    else "its blocks are not marked stored",
+                )
+                return False
+            self.blocks[kind] += len(ids)
+            return True
+        return False
+
+
+def _log_load_failure_policy() -> None:
+    """Says once, at startup, what becomes of a load that still fails after
+    the retries: upstream's scheduler applies ``kv_load_failure_policy``."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    kv = config.kv_transfer_config if config is not None else None
+    policy = getattr(kv, "kv_load_failure_policy", None)
+    tries = 1 + TRANSFER_RETRIES
+    if policy == "recompute":
+        logger.info(
+            "vllm-overlay CPU offloading: a load that still fails after %d "
+            "tries is recomputed (kv_load_failure_policy 'recompute')",
+            tries,
+        )
+    elif policy == "fail":
+        logger.info(
+            "vllm-overlay CPU offloading: a load that still fails after %d "
+            "tries ends its request with finish_reason 'error' "
+            "(kv_load_failure_policy 'fail', vLLM's default; set "
+            '"kv_load_failure_policy": "recompute" in --kv-transfer-config to '
+            "recompute it instead)",
+            tries,
+        )
+    else:
+        logger.info(
+            "vllm-overlay CPU offloading: a load that still fails after %d "
+            "tries is reported failed; no vLLM config in this process, so the "
+            "scheduler's kv_load_failure_policy decides",
+            tries,
+        )
 
 
 class _Part(NamedTuple):
