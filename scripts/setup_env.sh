@@ -13,9 +13,13 @@ venv=${OVERLAY_VENV:-$root/.venv}
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null || python=python3
 
+# The vLLM sdists the tests compare against (scripts/harness/fetch_sdists.sh).
+fetch_sdists() { bash "$root/scripts/harness/fetch_sdists.sh" "$venv/bin/python"; }
+
 stamp_inputs=("$0" "$root/scripts/harness/"*.py "$root/requirements/"*.txt "$root/setup.py")
 stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
 if [[ -f "$venv/.harness-stamp" && "$(cat "$venv/.harness-stamp")" == "$stamp" ]]; then
+  fetch_sdists
   exec bash "$root/scripts/harness/setup_v0_32.sh"  # the second harness
 fi
 
@@ -75,6 +79,7 @@ assert current_platform.is_cpu(), f"platform is {current_platform!r}, expected C
 print(f"vLLM {vllm.__version__} on {type(current_platform).__name__}: OK")
 PY
 echo "$stamp" > "$venv/.harness-stamp"
+fetch_sdists
 
 # The second harness: vLLM 0.32 in .venv-0.32 (its own stamp).  exec runs
 # no EXIT trap: the wheel's folder goes first.

@@ -18,18 +18,25 @@ import fetch_sdist  # noqa: E402
 import release_compat  # noqa: E402
 
 
-def _cached_or_skip(*versions: str) -> None:
+def _cached_or_fail(*versions: str) -> None:
+    """The harness set-up (scripts/harness/fetch_sdists.sh) fetches these
+    sdists: one missing here is a broken set-up, not a reason to skip."""
     missing = [v for v in versions if fetch_sdist.cached(v) is None]
     if missing:
-        pytest.skip(
-            f"vLLM sdists {missing} not cached in {fetch_sdist.cache_dir()}; "
-            "run python patches/tools/fetch_sdist.py --version V"
+        fixes = "; ".join(
+            f"{sys.executable} patches/tools/fetch_sdist.py --version {v}"
+            for v in missing
+        )
+        pytest.fail(
+            f"vLLM sdists {missing} not cached in {fetch_sdist.cache_dir()} "
+            f"(bash scripts/setup_env.sh fetches them); run: {fixes}",
+            pytrace=False,
         )
 
 
 def test_record_is_current():
     record = json.loads(release_compat.RECORD.read_text())
-    _cached_or_skip(release_compat.REFERENCE, *record["releases"])
+    _cached_or_fail(release_compat.REFERENCE, *record["releases"])
     done = subprocess.run(
         [sys.executable, str(TOOLS / "release_compat.py"), "--check", "--offline"],
         cwd=ROOT,
@@ -44,7 +51,7 @@ def test_record_is_current():
 def test_touched_files_are_the_targets_and_every_vllm_import():
     """Every Patch.module of the set's MODULES, and the vllm modules the
     set's code imports, those inside functions included."""
-    _cached_or_skip(release_compat.REFERENCE)
+    _cached_or_fail(release_compat.REFERENCE)
     reference = release_compat._sdist(release_compat.REFERENCE, offline=True)
     touched = release_compat.touched_files(reference)
     for module in release_compat.patch_targets():
@@ -79,6 +86,16 @@ def test_files_the_overlay_relies_on_without_importing_them_are_touched():
     assert all(release_compat.RELIED_ON[rel] for rel in relied)  # each says why
     record = json.loads(release_compat.RECORD.read_text())
     assert relied <= set(record["touched"])
-    _cached_or_skip(release_compat.REFERENCE)
+    _cached_or_fail(release_compat.REFERENCE)
     reference = release_compat._sdist(release_compat.REFERENCE, offline=True)
     assert relied <= set(release_compat.touched_files(reference))
+
+
+def test_a_missing_sdist_fails_with_the_command_that_fetches_it(tmp_path, monkeypatch):
+    """No silent skip on a machine whose set-up did not fetch the sdists."""
+    monkeypatch.setenv("VLLM_OVERLAY_SDIST_CACHE", str(tmp_path))
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _cached_or_fail(release_compat.REFERENCE)
+    message = str(failed.value)
+    assert f"fetch_sdist.py --version {release_compat.REFERENCE}" in message
+    assert str(tmp_path) in message
