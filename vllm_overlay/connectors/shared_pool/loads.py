@@ -2,7 +2,10 @@
 values are fetched by the pool's load thread into the load ring (or, with
 one run per block in host memory, straight into their KV blocks), checked
 there as they land, and on the engine thread only scattered into the KV
-cache (one call per batch) and reported.  A mixin of ``SharedPoolWorker``
+cache (one call per batch) and reported.  How a load's values are summed
+up, counted, logged and deleted when refused is the pool's
+(``core/pool/refusals.py``, shared with the 0.32 pool tier); this file maps
+them to block ids and ring rows.  A mixin of ``SharedPoolWorker``
 (worker.py), whose constructor and ``register_*`` set the state named
 below; its ``_key``, ``_scatter`` and ``_log_refusal`` are used here."""
 
@@ -14,21 +17,34 @@ import functools
 from vllm_overlay.connectors.shared_pool.common import PoolMetadata
 from vllm_overlay.connectors.shared_pool.staging import StagingRing
 from vllm_overlay.core.pool import codec
+from vllm_overlay.core.pool.refusals import LoadSummary
 
 
 @dataclasses.dataclass
 class ReadyLoad:
-    """A load, checked on the pool's load thread; its good blocks are in
-    the load ring's rows ``good_rows``."""
+    """A load, checked on the pool's load thread (``summary``, by position
+    in ``block_ids``); its good blocks are in the load ring's rows
+    ``good_rows``."""
 
+    block_ids: list[int]
+    summary: LoadSummary
     start: int = 0  # the ring span
-    good_ids: list[int] = dataclasses.field(default_factory=list)
-    good_rows: list[int] = dataclasses.field(default_factory=list)
-    failed_ids: list[int] = dataclasses.field(default_factory=list)
-    delete_keys: list[bytes] = dataclasses.field(default_factory=list)
-    refused_ids: list[int] = dataclasses.field(default_factory=list)  # integrity
-    refusals: list = dataclasses.field(default_factory=list)  # (key, BadValue)
-    bad_signatures: int = 0
+
+    @property
+    def good_ids(self) -> list[int]:
+        return [self.block_ids[i] for i in self.summary.good]
+
+    @property
+    def good_rows(self) -> list[int]:
+        return [self.start + i for i in self.summary.good]
+
+    @property
+    def failed_ids(self) -> list[int]:
+        return [self.block_ids[i] for i in self.summary.failed]
+
+    @property
+    def refused_ids(self) -> list[int]:  # integrity
+        return [self.block_ids[i] for i in self.summary.refused]
 
 
 class WorkerLoads:
@@ -111,7 +127,8 @@ class WorkerLoads:
         With direct loads, a block whose value failed is zeroed here (see
         _wipe)."""
         try:
-            ready = self._check_load(block_ids, keys, start, checks.verdicts(values))
+            summary = LoadSummary.of(keys, checks.verdicts(values))
+            ready = ReadyLoad(list(block_ids), summary, start)
         except BaseException:
             self._wipe(block_ids)  # every block is reported failed
             raise
@@ -131,24 +148,6 @@ class WorkerLoads:
             for block_id in block_ids:
                 self._cache_rows[block_id].fill(0)
 
-    def _check_load(self, block_ids, keys, start, verdicts) -> ReadyLoad:
-        ready = ReadyLoad(start=start)
-        for i, (block_id, key, (exc, came)) in enumerate(
-            zip(block_ids, keys, verdicts)
-        ):
-            if exc is not None:
-                ready.failed_ids.append(block_id)
-                if came:  # refused by its check: integrity
-                    ready.refused_ids.append(block_id)
-                    if exc.delete:
-                        ready.delete_keys.append(key)
-                    ready.bad_signatures += exc.signature
-                    ready.refusals.append((key, exc))
-                continue
-            ready.good_ids.append(block_id)
-            ready.good_rows.append(start + i)
-        return ready
-
     def _finish_loads(self) -> set[str]:
         """Loads the load thread is done with: scattered into the KV cache
         (unless read there directly), reported as received; a request
@@ -161,24 +160,20 @@ class WorkerLoads:
                     self._load_ring.release(start)
                 continue
             if ready is None:  # preparing failed (logged): recompute all
-                ready = ReadyLoad(failed_ids=list(block_ids))
+                ready = ReadyLoad(block_ids, LoadSummary.all_failed(len(block_ids)))
             self._load_errors.update(ready.failed_ids)
             self._refused_ids.update(ready.refused_ids)
             event = None
-            if ready.good_ids and self._cache_rows is None:
-                event = self._scatter(ready.good_ids, ready.good_rows)
+            good_ids = ready.good_ids
+            if good_ids and self._cache_rows is None:
+                event = self._scatter(good_ids, ready.good_rows)
             if start is not None:
                 if event is None:
                     self._load_ring.release(start)
                 else:
                     self._unreleased.append((event, start))
-            self.pool.record_load(
-                len(ready.good_ids), len(ready.failed_ids), ready.bad_signatures
-            )
-            for key, exc in ready.refusals:
-                self._log_refusal(key, exc)
-            if ready.delete_keys:  # a bad value is never loaded again
-                self.pool.submit_delete(ready.delete_keys)
+            # Counted, logged, refused values deleted (never loaded again).
+            ready.summary.report(self.pool, self._log_refusal)
             done.add(req_id)
         return done
 

@@ -8,6 +8,12 @@ run).  When the answer is in, the hits are returned; after
 ``lookup_wait_s`` without an answer the request computes without the pool
 and the pool pauses itself (slow).  While the pool is paused, the answer is
 0 at once.  Its ``KVPool`` starts no store or load threads.
+
+The tickets, their deadlines and the late-ticket rule are the pool's
+``LookupFlights`` (``core/pool/flights.py``, shared with the 0.32 pool
+tier); what is remembered (leading hits per request range, for
+``ANSWER_TTL_S``; refused blocks, for ``REFUSED_TTL_S``) is this release's
+own (``core/pool/flights.py`` says why).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from vllm_overlay.connectors.shared_pool.common import (
     PoolMetadata,
     take_refused,
 )
+from vllm_overlay.core.pool.flights import LookupFlights
 from vllm_overlay.core.pool.keys import pool_key
 
 CHAIN_ROOT = b"vLLM shared KV pool chain root v1"
@@ -68,8 +75,8 @@ class SharedPoolScheduler:
         self._next_store: dict[str, int] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # req -> (start, hits)
         self._answers: dict[str, _Answer] = {}
-        self._pending: dict[str, tuple[int, int, Any]] = {}  # start, end, ticket
-        self._asked_since: dict[str, float] = {}  # first "ask again" answer
+        self._flights = LookupFlights(pool)
+        self._pending: dict[str, Any] = {}  # req -> its flight (about: start, end)
         self._last_ask: dict[str, float] = {}  # last "ask again" answer
         self._loads: dict[str, tuple[list[int], list[bytes]]] = {}
         self._storing: set[str] = set()
@@ -141,9 +148,13 @@ class SharedPoolScheduler:
         answer = self._answers.get(req_id)
         if answer is not None and (hits := answer.hits(start, end, now)) is not None:
             return hits
-        pending = self._pending.get(req_id)
-        if pending is not None and not pending[0] <= start <= end <= pending[1]:
-            self._pending.pop(req_id)[2].abandoned = True  # another range now
+        pending, since = self._pending.get(req_id), None
+        if pending is not None and not (
+            pending.about[0] <= start <= end <= pending.about[1]
+        ):
+            # Another range now: asked again, within the first ask's wait.
+            since = pending.since
+            self._flights.drop(self._pending.pop(req_id))
             pending = None
         if pending is None:
             keys = [
@@ -151,22 +162,19 @@ class SharedPoolScheduler:
                 for rank in range(self.world_size)
                 for h in chain[start:end]
             ]
-            pending = (start, end, self.pool.submit_lookup(keys))
+            pending = self._flights.ask(keys, (start, end), now, since)
             self._pending[req_id] = pending
-        p_start, p_end, ticket = pending
-        if not ticket.done:
-            since = self._asked_since.setdefault(req_id, ticket.submitted)
-            if now - since < self.pool.lookup_wait_s():
-                self._yield_if_spinning(req_id, now)
-                return None
-            self.pool.abandon(ticket)  # too slow: the pool pauses itself
-        del self._pending[req_id]
-        self._asked_since.pop(req_id, None)
+        settled, answer_flags = self._flights.poll(pending, now)
+        if not settled:
+            self._yield_if_spinning(req_id, now)
+            return None
+        del self._pending[req_id]  # (late: abandoned, the pool pauses itself)
         self._last_ask.pop(req_id, None)
+        p_start, p_end = pending.about
         n = p_end - p_start
         present = n
         for rank in range(self.world_size):
-            flags = (ticket.present or [False] * n * self.world_size)[
+            flags = (answer_flags or [False] * n * self.world_size)[
                 rank * n : (rank + 1) * n
             ]
             present = min(present, next((i for i, p in enumerate(flags) if not p), n))
@@ -271,14 +279,13 @@ class SharedPoolScheduler:
             self._lookups,
             self._load_start,
             self._answers,
-            self._asked_since,
             self._last_ask,
             self._failed_from,
         ):
             table.pop(req_id, None)
         pending = self._pending.pop(req_id, None)
         if pending is not None:
-            pending[2].abandoned = True
+            self._flights.drop(pending)
         # A load under way still writes into its blocks: they are freed when
         # the worker reports the request finished (after the load landed).
         loading = self._loading.pop(req_id, None) is not None

@@ -36,6 +36,7 @@ from vllm_overlay.core.ops.block_copy import gather, scatter
 from vllm_overlay.core.pool import codec
 from vllm_overlay.core.pool.keys import pool_key
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
+from vllm_overlay.core.pool.refusals import log_refusal
 from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
 
 logger = logging.getLogger("vllm.overlay")
@@ -271,14 +272,7 @@ class SharedPoolWorker(WorkerLoads):
                 del self._pending_copies[req_id]
 
     def _log_refusal(self, key: bytes, exc: codec.BadValue) -> None:
-        self._refusal_log.log(
-            logging.WARNING,
-            "refused",
-            "vllm-overlay KV pool: block %s refused (%s); %s; recomputing",
-            key.rsplit(b":", 1)[-1][:12].decode(),
-            exc,
-            "deleted" if exc.delete else "left in the pool",
-        )
+        log_refusal(self._refusal_log, "vllm-overlay KV pool", key, exc)
 
     def get_finished(self, finished_req_ids: set[str]):
         """(finished sending, finished receiving).  The scheduler side held

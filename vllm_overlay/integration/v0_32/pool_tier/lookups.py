@@ -14,7 +14,12 @@ A verdict is kept while a request that asked for it lives (vLLM asks
 again every step until no key is pending).  A miss older than a request
 is asked again for it: another node may have stored the block since.  A
 key whose load failed is a miss from then on for the requests holding
-it (so vLLM does not promote it again and again, vllm#49176)."""
+it (so vLLM does not promote it again and again, vllm#49176).
+
+The tickets, their deadlines and the late-ticket rule are the pool's
+``LookupFlights`` (``core/pool/flights.py``, shared with the 0.11.2
+connector); what is remembered (a verdict per key, held by requests) is
+this release's own (``core/pool/flights.py`` says why)."""
 
 from __future__ import annotations
 
@@ -22,36 +27,31 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from vllm_overlay.core.pool.flights import LookupFlights
+
 
 @dataclasses.dataclass(slots=True)
 class _Verdict:
     present: bool | None = None  # None: not answered yet
     at: float = 0.0  # when it was answered
-    ticket: object = None  # the pool's LookupTicket while in flight
+    flight: object = None  # its LookupFlights flight while in flight
     requests: set = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass(slots=True)
-class _Flight:
-    ticket: object
-    keys: list
-    deadline: float
 
 
 class LookupVerdicts:
     """The tier's verdict per block key (held, not held, asked), kept for
     the requests that asked; the questions go to the ``KVPool``'s lookup
-    part (``core/pool/lookups.py``: tickets, one thread).  ``pool``: a
-    ``KVPool``; ``name(key)`` its pool key for a block key."""
+    part (``core/pool/lookups.py``: tickets, one thread) through
+    ``LookupFlights``.  ``pool``: a ``KVPool``; ``name(key)`` its pool
+    key for a block key."""
 
     def __init__(self, pool, name: Callable[[bytes], bytes]) -> None:
-        self._pool = pool
         self._name = name
         self._verdicts: dict[bytes, _Verdict] = {}
         self._request_keys: dict[str, set[bytes]] = {}
         self._request_start: dict[str, float] = {}
         self._batch: dict[str, list[bytes]] = {}  # this step's new keys
-        self._flights: list[_Flight] = []
+        self._flights = LookupFlights(pool)
 
     def lookup(self, key: bytes, req_id: str) -> bool | None:
         """True (held), False (not held, or the pool cannot say in time)
@@ -59,7 +59,7 @@ class LookupVerdicts:
         now = time.monotonic()
         start = self._request_start.setdefault(req_id, now)
         verdict = self._verdicts.get(key)
-        if verdict is not None and verdict.ticket is not None:
+        if verdict is not None and verdict.flight is not None:
             self._settle(now)  # in flight: answered meanwhile?
         if verdict is None:
             verdict = self._verdicts[key] = _Verdict()
@@ -80,34 +80,24 @@ class LookupVerdicts:
         self._settle(now)
         batch, self._batch = self._batch, {}
         for keys in batch.values():
-            ticket = self._pool.submit_lookup([self._name(k) for k in keys])
-            deadline = now + self._pool.lookup_wait_s()
+            flight = self._flights.ask([self._name(k) for k in keys], keys, now)
             for key in keys:
-                self._verdicts[key].ticket = ticket
-            self._flights.append(_Flight(ticket, keys, deadline))
+                self._verdicts[key].flight = flight
         self._settle(now)
 
     def _settle(self, now: float) -> None:
-        """Apply the answered tickets; abandon the ones past their deadline."""
-        keep = []
-        for flight in self._flights:
-            ticket = flight.ticket
-            if not ticket.done and now >= flight.deadline:
-                self._pool.abandon(ticket)
-            elif not ticket.done:
-                keep.append(flight)
-                continue
-            present = ticket.present if ticket.done else None
-            for i, key in enumerate(flight.keys):
+        """Apply the answered tickets; the ones past their deadline are
+        abandoned (``LookupFlights``) and their keys are misses."""
+        for flight, present in self._flights.settle(now):
+            for i, key in enumerate(flight.about):
                 verdict = self._verdicts.get(key)
-                if verdict is None or verdict.ticket is not ticket:
+                if verdict is None or verdict.flight is not flight:
                     continue  # forgotten, or asked again since
                 if not verdict.requests:
                     del self._verdicts[key]
                     continue
                 verdict.present = bool(present[i]) if present else False
-                verdict.at, verdict.ticket = now, None
-        self._flights = keep
+                verdict.at, verdict.flight = now, None
 
     def mark_missing(self, keys) -> None:
         """Keys whose load failed: misses for the requests holding them."""
@@ -115,7 +105,7 @@ class LookupVerdicts:
         for key in keys:
             verdict = self._verdicts.get(key)
             if verdict is not None:
-                verdict.present, verdict.at, verdict.ticket = False, now, None
+                verdict.present, verdict.at, verdict.flight = False, now, None
 
     def forget(self, req_id: str) -> None:
         """A request finished: its verdicts go once no request holds them
@@ -138,4 +128,4 @@ class LookupVerdicts:
 
     def pending(self) -> bool:
         """Keys queued or in flight (the engine must keep stepping)."""
-        return bool(self._batch or self._flights)
+        return bool(self._batch) or self._flights.pending()

@@ -57,6 +57,7 @@ from vllm_overlay.core.pool.errors import require_dependencies
 from vllm_overlay.core.pool.keys import namespace_tag, pool_key
 from vllm_overlay.core.pool.pool import GRACE_S, KVPool
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
+from vllm_overlay.core.pool.refusals import LoadSummary, log_refusal
 from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 from vllm_overlay.integration.v0_32.pool_tier import identity, stats
 from vllm_overlay.integration.v0_32.pool_tier.lookups import LookupVerdicts
@@ -114,8 +115,8 @@ class SharedPoolTier(SecondaryTierManager):
         # completion is then ignored); the lock orders the two.
         self._stores: dict[int, float] = {}
         self._stores_lock = threading.Lock()
-        self._loads: dict[int, tuple[list, list, float]] = {}
-        self._refusal_log = RateLimitedLog(logger, 10.0)
+        self._loads: dict[int, tuple[list, float]] = {}  # keys, submitted at
+        self._refusal_log = RateLimitedLog(logger, 10.0)  # (log_refusal)
         self.pool = KVPool(self.config, io_threads=True, lookups=True)
         try:
             # A lookup answered or a load's result queued wakes an engine
@@ -216,12 +217,12 @@ class SharedPoolTier(SecondaryTierManager):
         checks = codec.LandedChecks(
             len(keys), functools.partial(self._refusal, names, chunks, heads)
         )
-        self._loads[job_metadata.job_id] = (keys, names, time.monotonic())
+        self._loads[job_metadata.job_id] = (keys, time.monotonic())
         self.pool.submit_load(
             job_metadata.job_id,
             names,
             value_bytes=self._value_bytes,
-            prepare=functools.partial(self._verdicts, checks),
+            prepare=functools.partial(self._verdicts, checks, names),
             into=functools.partial(self._into, chunks, heads),
             landed=checks.landed,
         )
@@ -246,40 +247,25 @@ class SharedPoolTier(SecondaryTierManager):
             self.config.mac_key,
         )
 
-    def _verdicts(self, checks, values) -> list:
-        """The load thread, once it is done writing: (refusal or None,
-        whether a value came) per key."""
-        return checks.verdicts(values)  # queued, then on_result wakes the engine
+    def _verdicts(self, checks, names, values) -> LoadSummary:
+        """The load thread, once it is done writing: each value's verdict,
+        summed up (``core/pool/refusals.py``)."""
+        # Queued, then on_result wakes the engine.
+        return LoadSummary.of(names, checks.verdicts(values))
 
-    def _loaded(self, job_id: int, verdicts) -> JobResult | None:
+    def _loaded(self, job_id: int, summary: LoadSummary | None) -> JobResult | None:
         if job_id not in self._loads:
             return None  # reported failed by drain_jobs already
-        keys, names, start = self._loads.pop(job_id)
-        if verdicts is None:  # preparing failed (logged): recompute all
-            verdicts = [(codec.BadValue("internal error"), False)] * len(keys)
-        good, failed, delete, signatures = [], [], [], 0
-        for key, name, (exc, came) in zip(keys, names, verdicts):
-            if exc is None:
-                good.append(key)
-                continue
-            failed.append(key)
-            if came:  # refused by its check: integrity
-                signatures += exc.signature
-                if exc.delete:
-                    delete.append(name)
-                self._refusal_log.log(
-                    logging.WARNING,
-                    "refused",
-                    "vllm-overlay KV pool tier: refused value %s (%s)%s; its "
-                    "block is recomputed",
-                    name[:48].decode(errors="replace"),
-                    exc,
-                    ", deleted" if exc.delete else "",
-                )
-        if delete:
-            self.pool.submit_delete(delete)
+        keys, start = self._loads.pop(job_id)
+        if summary is None:  # preparing failed (logged): recompute all
+            summary = LoadSummary.all_failed(len(keys))
+        who = "vllm-overlay KV pool tier"
+        summary.report(
+            self.pool, functools.partial(log_refusal, self._refusal_log, who)
+        )
+        good = [keys[i] for i in summary.good]
+        failed = [keys[i] for i in summary.failed]
         self._lookups.mark_missing(failed)
-        self.pool.record_load(len(good), len(failed), signatures)
         return JobResult(
             job_id,
             success=not failed,
@@ -317,7 +303,7 @@ class SharedPoolTier(SecondaryTierManager):
             return
         stuck = self.pool.cancel_loads(GRACE_S)
         for job_id in stuck:  # cannot happen unless a thread is wedged
-            keys, _, start = self._loads.pop(job_id)
+            keys, start = self._loads.pop(job_id)
             self._lookups.mark_missing(keys)
             self._done.append(
                 JobResult(job_id, success=False, transfer_time=time.monotonic() - start)
