@@ -42,6 +42,7 @@ class Suite:
     seconds: float
     ok: bool
     counts: Counts | None = None
+    note: str = ""
 
 
 def junit_counts(path: pathlib.Path) -> Counts:
@@ -85,7 +86,10 @@ def collect(reports: pathlib.Path) -> list[Suite]:
         for suite in tox_suites(result_json):
             junit = reports / f"{suite.name}.xml"
             if junit.exists():
-                suite.counts = junit_counts(junit)
+                try:
+                    suite.counts = junit_counts(junit)
+                except ET.ParseError as exc:  # two pytest runs wrote it at once
+                    suite.note = f"{junit.name} unreadable ({exc})"
             suites.append(suite)
     return suites
 
@@ -126,12 +130,13 @@ def render(
         lines.append("  ".join(cells).rstrip())
         if i == 0 or i == len(rows) - 2:
             lines.append("  ".join("-" * w for w in widths))
-    missing = [s.name for s in suites if s.counts is None and not s.ok]
+    missing = [s.name for s in suites if s.counts is None and not s.ok and not s.note]
     if missing:
         lines.append(
             "no test counts for failed suite(s) "
             f"{', '.join(missing)}: pytest wrote no report (killed, or not pytest)"
         )
+    lines += [f"{s.name}: {s.note}" for s in suites if s.note]
     skips = [
         (s.name, test, why) for s in suites if s.counts for test, why in s.counts.skips
     ]

@@ -78,13 +78,15 @@ def test_table_has_every_suite_that_ran_the_set_up_and_the_total(tmp_path):
         )
     )
     (tmp_path / "02.tox.json").write_text(
-        json.dumps(_tox_json({"patches": (False, 75.0)}))
+        json.dumps(_tox_json({"patches": (False, 75.0), "eval": (True, 5.0)}))
     )
+    (tmp_path / "eval.xml").write_text("<testsuites><testsuite>")  # cut short
     suites = test_report.collect(tmp_path)
     assert [(s.name, s.ok) for s in suites] == [
         ("lint", True),
         ("unit", False),
         ("patches", False),
+        ("eval", True),
     ]
     table = test_report.render(suites, setup_seconds=65, total_seconds=452)
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line}
@@ -95,6 +97,8 @@ def test_table_has_every_suite_that_ran_the_set_up_and_the_total(tmp_path):
     assert "e2e" not in rows  # listed by tox, not run
     # patches failed without a junit file: said, not shown as zero tests
     assert "no test counts for failed suite(s) patches" in table
+    assert "eval: eval.xml unreadable" in table
+    assert rows["eval"] == ["eval", "ok", "0:05", "-", "-", "-", "-"]
     assert "[unit] tests.unit.test_b::test_gpu: needs a GPU" in table
     assert "skipped tests (2)" in table
 
