@@ -7,8 +7,9 @@ what test_chaos_pool.py's does to the server and its values (stops, kills,
 pauses and fills it; overwrites values with wrong, unsigned and
 other-layout bytes) and, in addition, to the engines: resets a node's
 caches with ``reset_prefix_cache(reset_connector=True)`` right as its
-stores cascade, and fails a copy of the overlay's CPU offloading worker
-(a load and a store: tests/support/chaos_run_v032.py).
+stores cascade, and fails a transfer of the overlay's CPU offloading
+worker (a load and a store, every attempt: the worker redoes a transfer
+that raised; tests/support/chaos_run_v032.py).
 
 Asserted as on 0.11.2: every request completes (within its deadline) with
 stock vLLM 0.32's tokens (a stock 0.32 engine computes every prompt sent);
@@ -18,7 +19,8 @@ error; no request loads its prefix again and again; after each fault the
 pool serves again (a prefix computed by one node is loaded by the other,
 through its host memory, both ways); each overwritten value is refused.
 And: the reset returns (no exception) and leaves the host tier empty; each
-injected copy failure happened, and the engine went on.
+injected copy failure happened (the worker gave the job up), and the
+engine went on.
 
 Runs in .venv-0.32 (``tox -e chaos_v0_32``); skipped on another vLLM.
 Seeded (``CHAOS_SEED``, default 27); ``CHAOS_KINDS=a,b``: only those fault

@@ -21,8 +21,10 @@ Commands of its own (each replies with its name):
   the host tier holds after.
   An exception is a failure of the node (its final report lists it).
 * ``{"op": "fail_copies", "tag", "store": n, "load": n}``: the next ``n``
-  copies of that direction by the overlay's CPU offloading worker raise
-  (``CopyFaults``); replies the copies failed so far.
+  copy attempts of that direction by the overlay's CPU offloading worker
+  raise (``CopyFaults``); replies the attempts failed so far, the attempts
+  of one job (``tries``: the worker redoes a transfer that raised) and the
+  jobs the worker gave up (``gave_up``, its own count).
 """
 
 from __future__ import annotations
@@ -40,13 +42,18 @@ RESET_WAIT_S = 20.0
 
 
 class CopyFaults:
-    """Makes the worker's next copies raise, before they move a byte (so a
-    load reported as done would leave its KV blocks unwritten).  Test-only:
-    wraps ``_move`` (one transfer's copies) of this engine's
-    ``CPUPlatformOffloadingWorker`` instance, which runs it on its transfer
-    thread; the worker's code is unchanged."""
+    """Makes the worker's next copy attempts raise, before they move a byte
+    (so a load reported as done would leave its KV blocks unwritten).
+    Test-only: wraps ``_move`` (one attempt at a transfer's copies) of this
+    engine's ``CPUPlatformOffloadingWorker`` instance, which runs it on its
+    transfer thread and redoes a transfer that raised: ``tries`` attempts
+    in a row fail one job.  The worker's code is unchanged."""
 
     def __init__(self, worker) -> None:
+        from vllm_overlay.integration.v0_32.offload_worker import TRANSFER_RETRIES
+
+        self.worker = worker
+        self.tries = 1 + TRANSFER_RETRIES
         self.armed = {"store": 0, "load": 0}
         self.failed = {"store": 0, "load": 0}
         self._lock = threading.Lock()
@@ -70,7 +77,12 @@ class CopyFaults:
         with self._lock:
             self.armed["store"] += store
             self.armed["load"] += load
-            return {"armed": dict(self.armed), "failed": dict(self.failed)}
+            return {
+                "armed": dict(self.armed),
+                "failed": dict(self.failed),
+                "tries": self.tries,
+                "gave_up": dict(self.worker.failed),
+            }
 
 
 class Node032(Node):

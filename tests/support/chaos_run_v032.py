@@ -10,11 +10,14 @@ of the node itself:
   cascade.  Upstream's tiering manager asks each tier to drain its jobs,
   then asserts that none is left; the reset must return, the host tier
   empty.
-* ``failed_copy``: the overlay's CPU offloading worker fails one copy: a
-  load on ``dst`` (a prefix ``src`` computed, promoted from the pool into
-  ``dst``'s host memory, whose copy into its KV cache fails: the request
-  must recompute, never run on unwritten KV) and a store on ``src`` (the
-  chunk is not kept; nothing else changes).
+* ``failed_copy``: the overlay's CPU offloading worker fails one transfer
+  (every attempt at its copies: the worker redoes one that raised, so one
+  failed attempt alone is not a failure): a load on ``dst`` (a prefix
+  ``src`` computed, promoted from the pool into ``dst``'s host memory,
+  whose copy into its KV cache fails: the request must recompute, never
+  run on unwritten KV) and a store on ``src`` (the chunk is not kept;
+  nothing else changes).  The worker's own count of the jobs it gave up
+  shows each failure happened.
 
 Each is followed, as every fault, by the check that the pool serves again
 both ways; ``problems_v032`` adds what the node faults must show.
@@ -62,22 +65,31 @@ class Episode032(Episode):
             "host_chunks_after": reply.get("host_chunks_after"),
         }
 
-    def _failed(self, node: int) -> dict:
-        return self.nodes[node].request("fail_copies", wait_s=30.0)["failed"]
+    def _copies(self, node: int) -> dict:
+        return self.nodes[node].request("fail_copies", wait_s=30.0)
 
     def copy_fault(self, src: int, dst: int) -> dict:
         began = time.monotonic()
-        load0, store0 = self._failed(dst)["load"], self._failed(src)["store"]
+        on_dst, on_src = self._copies(dst), self._copies(src)
+        tries = on_dst["tries"]  # attempts of one job: all fail, it fails
+        load0, store0 = on_dst["failed"]["load"], on_src["failed"]["store"]
+        lost0 = on_dst["gave_up"]["load"], on_src["gave_up"]["store"]
         # A load on dst: probes (src computes, dst loads) until one of
-        # dst's loads met the armed failure.
-        self.nodes[dst].request("fail_copies", load=1)
+        # dst's load jobs met every armed attempt.
+        self.nodes[dst].request("fail_copies", load=tries)
         probes = []
         end = time.monotonic() + self.recovery_s
-        while self._failed(dst)["load"] == load0 and time.monotonic() < end:
+        while (
+            self._copies(dst)["failed"]["load"] < load0 + tries
+            and time.monotonic() < end
+        ):
             probes.append(self.probe(src, dst))
         # A store on src: a fresh prefix it computes.
-        self.nodes[src].request("fail_copies", store=1)
-        while self._failed(src)["store"] == store0 and time.monotonic() < end:
+        self.nodes[src].request("fail_copies", store=tries)
+        while (
+            self._copies(src)["failed"]["store"] < store0 + tries
+            and time.monotonic() < end
+        ):
             family = self.workload.fresh_family()
             self.wait(self.submit(self.workload.member(family, src, "seed")))
             self.nodes[src].request("drain", wait_s=30.0, timeout_s=10.0)
@@ -89,12 +101,17 @@ class Episode032(Episode):
         for node, kind in ((dst, "load"), (src, "store")):
             if left[kind]:
                 self.nodes[node].request("fail_copies", **{kind: -left[kind]})
+        on_dst, on_src = self._copies(dst), self._copies(src)
         return {
             "began_at": round(began - self.t0, 1),
             "src": self.nodes[src].name,
             "dst": self.nodes[dst].name,
-            "failed_loads": self._failed(dst)["load"] - load0,
-            "failed_stores": self._failed(src)["store"] - store0,
+            "tries": tries,
+            "failed_load_attempts": on_dst["failed"]["load"] - load0,
+            "failed_store_attempts": on_src["failed"]["store"] - store0,
+            # Jobs the worker gave up (after all its attempts): a real failure.
+            "failed_loads": on_dst["gave_up"]["load"] - lost0[0],
+            "failed_stores": on_src["gave_up"]["store"] - lost0[1],
             "load_probes": probes,
         }
 
@@ -122,8 +139,11 @@ def problems_v032(episode: Episode032) -> list[str]:
             for kind in ("loads", "stores"):
                 if fault[f"failed_{kind}"] < 1:
                     out.append(
-                        f"{where}: no {kind[:-1]} copy met the injected "
-                        f"failure within {episode.recovery_s:.0f} s (probes "
+                        f"{where}: no {kind[:-1]} job failed (the worker gave "
+                        f"none up; attempts failed: "
+                        f"{fault[f'failed_{kind[:-1]}_attempts']} of "
+                        f"{fault['tries']} armed) within "
+                        f"{episode.recovery_s:.0f} s (probes "
                         f"{fault['load_probes']}): the fault was not injected"
                     )
     return out

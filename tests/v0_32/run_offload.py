@@ -22,10 +22,16 @@ With a tiering spec the result names the primary tier's shared-memory file
 engine ran (``region_named``).  ``"exit": "abrupt"``: the process ends with
 ``os._exit`` once the result is written, as a killed engine would: no
 shutdown, no finalizer.
-``"fail_loads": N``: the worker's first N host-to-device copies raise
-(the engine runs in this process), with ``kv_load_failure_policy``
-``"recompute"`` (``"load_failure_policy"`` overrides it); the result
-counts the failed copies (``failed_loads``).
+``"fail_loads": N``: the worker's first N host-to-device copy attempts
+raise (the engine runs in this process; the worker redoes a transfer
+that raised up to ``TRANSFER_RETRIES`` times); ``"fail_load_jobs": N``:
+every attempt of its first N load jobs raises.  ``"load_failure_policy"``
+sets ``kv_load_failure_policy`` (default: unset, upstream's ``"fail"``).
+The result counts the failed attempts (``failed_loads``) and the worker's
+redone attempts and given-up jobs (``retries``, ``failed``).
+``"fault_phases": true``: after the passes, in the same engine, two more
+phases (``lost_load`` and ``lost_stores``: see ``lost_load`` and
+``lost_stores`` below).
 ``"model": "mla"``: the tiny DeepSeek (MLA, the ``CPU_MLA`` backend)
 instead of the tiny Llama; it runs without a device prefix cache.
 
@@ -94,21 +100,107 @@ def tier_values(config: dict) -> tuple[str, int] | None:
     return None
 
 
-def fail_loads(count: int, failed: dict) -> None:
-    """The worker's first COUNT loads raise (in-process engine only)."""
-    from vllm_overlay.integration.v0_32.offload_worker import (
-        CPUPlatformOffloadingWorker as Worker,
-    )
+class Faults:
+    """Makes the worker's next copy attempts of a direction raise, before
+    they move a byte (in-process engine only): ``armed[kind]`` attempts
+    left to fail, ``failed[kind]`` attempts failed so far."""
 
-    move = Worker._move
+    def __init__(self) -> None:
+        from vllm_overlay.integration.v0_32.offload_worker import (
+            TRANSFER_RETRIES,
+            CPUPlatformOffloadingWorker,
+        )
 
-    def failing(self, kind, ids, rows):
-        if kind == "load" and failed["n"] < count:
-            failed["n"] += 1
-            raise RuntimeError("injected: a host-to-device copy failed")
-        return move(self, kind, ids, rows)
+        self.tries = 1 + TRANSFER_RETRIES  # attempts of one job
+        self.armed = {"store": 0, "load": 0}
+        self.failed = {"store": 0, "load": 0}
+        move = CPUPlatformOffloadingWorker._move
+        faults = self
 
-    Worker._move = failing
+        def failing(worker, kind, ids, rows):
+            if faults.armed[kind] > 0:
+                faults.armed[kind] -= 1
+                faults.failed[kind] += 1
+                raise RuntimeError(f"injected: a {kind} copy failed")
+            return move(worker, kind, ids, rows)
+
+        CPUPlatformOffloadingWorker._move = failing
+
+
+def engine_state(llm) -> dict:
+    """The in-process engine's offloading state: the worker's counters and
+    pending jobs, the connector's jobs on both sides, the host manager's
+    chunks."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector_worker = get_kv_transfer_group().connector_worker
+    worker = connector_worker.worker
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    side = scheduler.connector.connector_scheduler
+    manager = side.manager
+    return {
+        "retries": dict(worker.retries),
+        "failed": dict(worker.failed),
+        "blocks": dict(worker.blocks),
+        "worker_pending": len(worker._pending),
+        "load_jobs": len(connector_worker._load_jobs),
+        "scheduler_jobs": len(side._jobs),
+        "stored_chunks": manager._num_evictable_cache_chunks,
+        "write_pending_chunks": manager._num_write_pending_chunks,
+    }
+
+
+def generate(llm, texts: list[str]) -> list[dict]:
+    """records() of greedy requests, with each one's finish reason."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    outs = llm.generate(texts, params, use_tqdm=False)
+    rows = records(outs)
+    for row, o in zip(rows, outs):
+        row["finish_reason"] = o.outputs[0].finish_reason
+    return rows
+
+
+def lost_load(llm, faults: Faults, reset) -> dict:
+    """Every attempt of one load job fails (after the passes, so the host
+    holds every prompt's blocks): its request gets no KV from it.  Then
+    the prompts again, as a batch: loaded from host memory as before."""
+    out = {"reset_before": reset()}
+    before = dict(faults.failed)
+    faults.armed["load"] = faults.tries
+    failed = generate(llm, [prompts()[-1]])
+    out.update(request=failed, armed_left=faults.armed["load"])
+    out["failed_attempts"] = faults.failed["load"] - before["load"]
+    faults.armed["load"] = 0
+    out["reset"] = reset()
+    out["then"] = generate(llm, prompts())
+    out["state"] = engine_state(llm)
+    return out
+
+
+def lost_stores(llm, faults: Faults, reset) -> dict:
+    """Host memory emptied (``reset_connector``), then every store attempt
+    fails: the prompts (computed, as cold), then, the device cache emptied,
+    again (nothing to load: computed again)."""
+    out = {"cleared": False}
+    for _ in range(3):  # stores finish asynchronously (reset())
+        generate(llm, ["flush"])
+        if llm.reset_prefix_cache(reset_connector=True):
+            out["cleared"] = True
+            break
+    out["cleared_state"] = engine_state(llm)
+    before = dict(faults.failed)
+    faults.armed["store"] = 10**9  # every attempt, until disarmed
+    out["first"] = generate(llm, prompts())
+    out["reset"] = reset()
+    out["again"] = generate(llm, prompts())
+    for _ in range(3):  # the last stores complete (as failed)
+        generate(llm, ["flush"])
+    out["failed_attempts"] = faults.failed["store"] - before["store"]
+    faults.armed["store"] = 0
+    out["state"] = engine_state(llm)
+    return out
 
 
 def main(config: dict) -> dict:
@@ -118,14 +210,17 @@ def main(config: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kv = None
+    kv = faults = None
     if config.get("connector"):
         policy = {}
-        if config.get("fail_loads"):
-            fail_loads(config["fail_loads"], out_failed := {"n": 0})
-            policy["kv_load_failure_policy"] = config.get(
-                "load_failure_policy", "recompute"
-            )
+        if "load_failure_policy" in config:
+            policy["kv_load_failure_policy"] = config["load_failure_policy"]
+        if config.get("fail_loads") or config.get("fault_phases"):
+            faults = Faults()
+            faults.armed["load"] = config.get("fail_loads", 0)
+        if config.get("fail_load_jobs"):
+            faults = faults or Faults()
+            faults.armed["load"] += config["fail_load_jobs"] * faults.tries
         kv = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
@@ -139,10 +234,9 @@ def main(config: dict) -> dict:
     else:
         args = tiny_engine_args(kv_transfer_config=kv)
     llm = LLM(**args)
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
 
     def run(batch: list[str] | None = None) -> list[dict]:
-        return records(llm.generate(batch or prompts(), params, use_tqdm=False))
+        return generate(llm, batch or prompts())
 
     def reset() -> bool | None:
         if kv is None:
@@ -170,8 +264,13 @@ def main(config: dict) -> dict:
             single += run([text])
         out["passes"].append(single)
     out["after"] = llm.collective_rpc(worker_info)[0]
-    if config.get("fail_loads"):
-        out["failed_loads"] = out_failed["n"]
+    if faults is not None:
+        out["failed_loads"] = faults.failed["load"]
+        out["tries"] = faults.tries  # attempts of one job
+        out["state"] = engine_state(llm)
+    if config.get("fault_phases"):
+        out["lost_load"] = lost_load(llm, faults, reset)
+        out["lost_stores"] = lost_stores(llm, faults, reset)
     if tier_values(config) is not None:
         deadline = time.monotonic() + TIER_DEADLINE_S
         while True:

@@ -5,9 +5,10 @@ transfer fails its request's load, not the engine (0.32).
 ``TransferResult`` succeeded ("we currently do not support job failures"):
 one failed copy kills the engine, and under ``python -O`` a failed load is
 reported finished and the request runs on KV that was never written.  The
-overlay's CPU worker (``integration/v0_32/offload_worker``) reports a copy
-that raised as failed, so the consumer must take it.  Patched, a failed
-result is handled through upstream's own failure paths:
+overlay's CPU worker (``integration/v0_32/offload_worker``) redoes a
+transfer whose copy raised (``TRANSFER_RETRIES`` more times) and reports
+one that still fails as failed, so the consumer must take it.  Patched, a
+failed result is handled through upstream's own failure paths:
 
 * a failed load: its request is still reported finished receiving, and
   also as a failed receive (``KVConnectorTransferResults.failed_recving``,
