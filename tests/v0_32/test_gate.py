@@ -2,31 +2,54 @@
 upstream code (run_gate.py): a 0.32 patch release is admitted only with
 the touched files of a tested release, byte for byte, and a patch whose
 target is gone is reported by ``register()`` and refuses, at startup, the
-configurations that use its feature (and only those)."""
+configurations that use its feature (and only those).
+
+The four cases run in one process that imports vLLM once, each in a forked
+child of it (run_cases.py): a child starts as its own process would."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import run
+from conftest import run_cases
 
 MANAGER = "vllm/v1/kv_offload/tiering/manager.py"
+GONE = {
+    "case": "gone",
+    "module": "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    "name": "build_offloading_config",
+}
+CASES = {
+    "release": ({"case": "release", "version": "0.32.1"}, {}),
+    **{
+        f"changed {version}": (
+            {"case": "release", "version": version, "change": MANAGER},
+            {},
+        )
+        for version in ("0.32.1", "0.32.7.post1")
+    },
+    "gone": (GONE, {}),
+}
 
 
-def test_a_patch_release_with_the_tested_files_is_patched():
-    result = run("run_gate.py", {"case": "release", "version": "0.32.1"}).result
+@pytest.fixture(scope="module")
+def gate():
+    return run_cases("run_gate.py", CASES)
+
+
+def test_a_patch_release_with_the_tested_files_is_patched(gate):
+    result = gate["release"].result
     assert result["register"] == {"error": None}
     assert result["outcome"] == "applied"
 
 
 @pytest.mark.parametrize("version", ["0.32.1", "0.32.7.post1"])
 def test_a_patch_release_that_changed_a_file_the_overlay_relies_on_is_refused(
-    version,
+    gate, version
 ):
     """The tiering manager is not patched nor imported by the overlay, but
     its drain contract is relied on: a release that changed it is refused
     at startup, the file named."""
-    config = {"case": "release", "version": version, "change": MANAGER}
-    result = run("run_gate.py", config).result
+    result = gate[f"changed {version}"].result
     refused = result["register"]
     assert refused["error"] == "UnsupportedVLLMVersion"
     assert f"found vLLM {version} as installed" in refused["message"]
@@ -34,17 +57,12 @@ def test_a_patch_release_that_changed_a_file_the_overlay_relies_on_is_refused(
     assert "outcome" not in result  # register() raised: nothing was applied
 
 
-def test_a_patch_whose_target_is_gone_refuses_its_feature_at_startup():
+def test_a_patch_whose_target_is_gone_refuses_its_feature_at_startup(gate):
     """Upstream renamed ``build_offloading_config`` (PT32-01's target):
     ``register()`` says so, the pool tier is refused in the front end with
     one line naming the patch and the feature, and what does not use the
     feature (stock, plain CPU offloading) still starts."""
-    config = {
-        "case": "gone",
-        "module": "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
-        "name": "build_offloading_config",
-    }
-    result = run("run_gate.py", config).result
+    result = gate["gone"].result
     assert result["patches"]["PT32-01"] == "failed"
     failed = [pid for pid, status in result["patches"].items() if status == "failed"]
     assert failed == ["PT32-01"]

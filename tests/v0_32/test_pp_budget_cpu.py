@@ -21,7 +21,7 @@ import pathlib
 import sys
 
 import pytest
-from conftest import run
+from conftest import run, run_cases, shared_run
 
 from vllm_overlay.core.pp_budget import StageBudget, split_budget
 
@@ -50,12 +50,30 @@ def stock():
 
 @pytest.fixture(scope="module")
 def flag31():
-    return run("run_pp.py", FLAG, **P31)
+    """The flag's engine (test_rendered_series compares with it: once)."""
+    return shared_run("run_pp.py", FLAG, **P31)
+
+
+# The front end's checks: with the overlay, and without its front-end
+# patches (PP32-02/03, then PP32-01); one process, a forked child each.
+CHECKS = {
+    name: ({"check": "config"}, env)
+    for name, env in (
+        ("overlay", {}),
+        ("no_validation", {"VLLM_OVERLAY_SKIP_PATCHES": "PP32-02,PP32-03"}),
+        ("no_flag", {"VLLM_OVERLAY_SKIP_PATCHES": "PP32-01"}),
+    )
+}
+
+
+def config_checks() -> dict:
+    """name -> its run (test_rendered_series reads "overlay": once)."""
+    return run_cases("run_pp.py", CHECKS)
 
 
 @pytest.fixture(scope="module")
 def config():
-    return run("run_pp.py", {"check": "config"}).result
+    return config_checks()["overlay"].result
 
 
 def field(run_, name: str) -> list:
@@ -170,14 +188,12 @@ def test_engine_core_split_by_stage_of_each_workers_layers(config):
 
 
 def test_without_the_front_end_patches():
-    carried = run(
-        "run_pp.py", {"check": "config"}, VLLM_OVERLAY_SKIP_PATCHES="PP32-02,PP32-03"
-    ).result
+    carried = config_checks()["no_validation"].result
     # No validation: the bad configurations get past the front end.
     for case in ("no_budget", "too_small"):
         assert carried[case] == {"error": None, "value": True}
     # The flag parses (PP32-01) but does not reach additional_config.
     assert carried["cli_flag"]["value"]["additional_config"] == {}
-    unknown = run("run_pp.py", {"check": "config"}, VLLM_OVERLAY_SKIP_PATCHES="PP32-01")
+    unknown = config_checks()["no_flag"]
     assert unknown.result["cli_flag"]["error"] in ("SystemExit", "ArgumentError")
     assert "unrecognized arguments: --enable-pp-prop-kv-cache" in unknown.log
