@@ -123,7 +123,7 @@ class EngineServer(prefix_reuse_engine.EngineServer):
 
     def before_engine(self):
         if self.spec.get("idle_wait_ms"):  # EC32's bound (a diagnostic)
-            from vllm_overlay.integration.v0_32 import idle_wait
+            from vllm_overlay.core import idle_wait
 
             idle_wait.IDLE_WAIT_S = self.spec["idle_wait_ms"] / 1e3
         return _connector_kv(self.spec)

@@ -70,7 +70,9 @@ MODULES = {
     "vllm_overlay.integration.v0_32.offload_worker": (
         "vllm.v1.kv_offload.cpu.cpu_platform_worker"
     ),
-    # the engine's bounded wait while requests only wait for KV loads
+    # the engine's bounded wait while requests only wait for KV loads: the
+    # wait (shared with 0.11.2), then 0.32's gate
+    "vllm_overlay.core.idle_wait": "vllm.v1.engine.kv_idle_gate",
     "vllm_overlay.integration.v0_32.idle_wait": "vllm.v1.engine.kv_idle_wait",
     # the PP KV budget: the split, the flag (option, validation, per-stage
     # budgets), the engine core's split of the workers' KV memory

@@ -48,6 +48,7 @@ def test_every_core_module_imports_without_vllm():
     expected = {
         f"vllm_overlay.core.{name}"
         for name in (
+            "idle_wait",
             "kv_layout",
             "patching",
             "pp_budget",

@@ -47,21 +47,21 @@ def make(overlay):
 def test_ec01_idle_engine_waits_instead_of_spinning(make):
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_overlay.patches.v0_11_2.patch_engine_core import IDLE_WAIT_S
+    from vllm_overlay.core.idle_wait import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
     engine = engine_shell(sched)
     steps = _steps_in_window(engine, EngineCore.step)
     # Each step waited (the offloading connector has no wait hook: a
     # sleep of IDLE_WAIT_S); stock runs thousands of empty steps here.
-    assert getattr(engine, "vllm_overlay_idle_waits", 0) == steps
+    assert getattr(engine, "kv_idle_waits", 0) == steps
     assert steps <= WINDOW_S / IDLE_WAIT_S + 5
     # The load lands: the next steps promote and run A, without waiting.
     report_loaded(sched, out, "A")
-    engine.vllm_overlay_idle_waits = 0
+    engine.kv_idle_waits = 0
     for _ in range(2):  # promoted, then scheduled
         EngineCore.step(engine)
-    assert engine.vllm_overlay_idle_waits == 0
+    assert engine.kv_idle_waits == 0
     assert a.num_output_tokens >= 1
 
 
@@ -69,12 +69,12 @@ def test_ec01_idle_engine_waits_instead_of_spinning(make):
 def test_ec02_idle_batch_queue_engine_waits_instead_of_spinning(make):
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_overlay.patches.v0_11_2.patch_engine_core import IDLE_WAIT_S
+    from vllm_overlay.core.idle_wait import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
     engine = engine_shell(sched, batch_queue=True)
     steps = _steps_in_window(engine, EngineCore.step_with_batch_queue)
-    assert getattr(engine, "vllm_overlay_idle_waits", 0) == steps
+    assert getattr(engine, "kv_idle_waits", 0) == steps
     assert steps <= WINDOW_S / IDLE_WAIT_S + 5
     assert not engine.batch_queue
 
@@ -85,7 +85,7 @@ def test_ec01_wakes_on_the_connector_hook(make):
     waits on it with the bound and goes on the moment it returns."""
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_overlay.patches.v0_11_2.patch_engine_core import IDLE_WAIT_S
+    from vllm_overlay.core.idle_wait import IDLE_WAIT_S
 
     sched, a, out = parked_load(make)
     calls = []
@@ -110,19 +110,47 @@ def test_never_waits_while_a_request_can_run(make):
     engine = engine_shell(sched)
     for _ in range(5):
         EngineCore.step(engine)
-    assert calls == [] and getattr(engine, "vllm_overlay_idle_waits", 0) == 0
+    assert calls == [] and getattr(engine, "kv_idle_waits", 0) == 0
 
 
 def test_never_waits_once_a_load_landed_or_with_finished_requests(make):
-    from vllm_overlay.patches.v0_11_2.patch_engine_core import waits_only_for_remote_kv
+    from vllm_overlay.core.idle_wait import kv_waits
+    from vllm_overlay.patches.v0_11_2.patch_engine_core import gate
 
     sched, a, out = parked_load(make)
-    assert waits_only_for_remote_kv(sched)
+    assert kv_waits(sched, gate())[0]
     sched.finished_req_ids.add("gone")  # still to be sent to the workers
-    assert not waits_only_for_remote_kv(sched)
+    assert not kv_waits(sched, gate())[0]
     sched.finished_req_ids.clear()
     report_loaded(sched, out, "A")  # landed: the next schedule() promotes it
-    assert not waits_only_for_remote_kv(sched)
+    assert not kv_waits(sched, gate())[0]
+
+
+def test_a_request_passed_over_for_its_lookup_is_work_on_0_11_2(make):
+    """0.11.2's gate is stricter than 0.32's (``core/idle_wait``): a
+    ``WAITING`` request the last step passed over (the shared pool's lookup
+    under way) is work for the next step, and no step waits for it: the
+    connector's wake-up does not wake on a lookup's answer."""
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_overlay.core.idle_wait import kv_waits
+    from vllm_overlay.patches.v0_11_2.patch_engine_core import gate
+
+    scheduler, request = make
+    sched, a, out = parked_load(make)
+    sched.add_request(request("B", 20, seed=9))
+    assert not kv_waits(sched, gate(), passed_over=frozenset({"B"}))[0]
+    engine = engine_shell(sched)
+    engine.kv_idle_passed_over = frozenset({"B"})  # not read on 0.11.2
+    sched.connector.get_num_new_matched_tokens = lambda *args: (None, False)
+    calls = []
+    sched.connector.wait_for_remote_kv = lambda timeout_s: calls.append(timeout_s)
+    for _ in range(3):
+        EngineCore.step(engine)
+    assert [r.request_id for r in sched.waiting if r.status.name == "WAITING"] == [
+        "B"
+    ]  # passed over each step
+    assert calls == [] and getattr(engine, "kv_idle_waits", 0) == 0
 
 
 def test_the_pool_wakes_a_waiting_engine_when_a_load_is_done(server_kind):

@@ -5,8 +5,8 @@ request waits for the tier's lookup wakes when the answer comes.
 A fresh engine (empty host memory, empty pool) gets one prompt while the
 pool server is stopped (SIGSTOP) for ``hold_s``: the tier answers RETRY,
 the request stays ``WAITING`` and the engine waits in its idle wait
-(EC32-01, ``integration/v0_32/idle_wait``).  The idle wait is made
-``idle_wait_s`` long here (its module constant), so a wake-up is told
+(EC32-01, ``core/idle_wait`` with 0.32's gate).  The idle wait is made
+``idle_wait_s`` long here (``core/idle_wait.IDLE_WAIT_S``), so a wake-up is told
 apart from the wait's end: the answer comes ``hold_s`` after the request,
 long before.  Reported: the tokens, the engine's idle waits and wakes
 during the request, and its seconds.
@@ -61,7 +61,8 @@ def main(config: dict) -> dict:
     in_process_engine()
     from vllm import LLM, SamplingParams
 
-    from vllm_overlay.integration.v0_32 import idle_wait
+    from vllm_overlay.core import idle_wait
+    from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 
     llm = LLM(
         **tiny_engine_args(
@@ -75,7 +76,7 @@ def main(config: dict) -> dict:
     pid = config["server_pid"]
     os.kill(pid, signal.SIGSTOP)
     resume = threading.Timer(config["hold_s"], os.kill, (pid, signal.SIGCONT))
-    idle_wait.TRANSFER_DONE.clear()
+    TRANSFER_DONE.clear()
     start = time.monotonic()
     resume.start()
     try:

@@ -45,7 +45,7 @@ def fs_tier(tmp_path_factory):
 
 @pytest.mark.parametrize("skip", ["", "EC32-01,EC32-02"])
 def test_the_engine_waits_while_its_request_waits_for_a_promotion(fs_tier, skip):
-    from vllm_overlay.integration.v0_32.idle_wait import IDLE_WAIT_S
+    from vllm_overlay.core.idle_wait import IDLE_WAIT_S
 
     fs_dir, first = fs_tier
     r = run(
@@ -74,7 +74,7 @@ def _reloaded(r: dict) -> None:
 
 
 def test_the_engine_waits_while_its_request_waits_for_its_load(patched):
-    from vllm_overlay.integration.v0_32.idle_wait import IDLE_WAIT_S
+    from vllm_overlay.core.idle_wait import IDLE_WAIT_S
 
     _reloaded(patched)
     assert patched["idle_waits"] >= 1
@@ -84,7 +84,7 @@ def test_the_engine_waits_while_its_request_waits_for_its_load(patched):
 
 
 def test_without_the_patch_stock_steps_without_waiting(skipped):
-    from vllm_overlay.integration.v0_32.idle_wait import IDLE_WAIT_S
+    from vllm_overlay.core.idle_wait import IDLE_WAIT_S
 
     _reloaded(skipped)
     assert skipped["idle_waits"] == 0

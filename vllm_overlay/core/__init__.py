@@ -1,5 +1,6 @@
 """The vLLM-free core: KV layout description, block copies, the offload
-mover, the shared-pool client, the PP budget arithmetic and the patch helper.
+mover, the shared-pool client, the PP budget arithmetic, the engine's idle
+wait and the patch helper.
 
 Nothing under this package imports vLLM (``tests/unit/test_core_boundary.py``
 imports every module here with ``import vllm`` blocked); the adapters that

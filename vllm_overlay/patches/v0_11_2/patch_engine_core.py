@@ -1,65 +1,65 @@
 """vllm/v1/engine/core.py: no busy loop while requests only wait for KV loads.
 
-EC-01 / EC-02: when the scheduler has nothing to run but requests parked in
-``WAITING_FOR_REMOTE_KVS`` (an async KV load under way: shared pool,
-offloading, a remote prefill), ``EngineCore.step`` (and
-``step_with_batch_queue`` with an empty batch queue) first waits a little:
-on the KV connector's ``wait_for_remote_kv(timeout_s)`` when it has one (the
-shared pool's load thread wakes it as soon as a load lands), else a plain
-sleep; ``IDLE_WAIT_S`` at most either way.
+EC-01 / EC-02: ``EngineCore.step`` (and ``step_with_batch_queue`` with an
+empty batch queue) first waits a little, at most ``core/idle_wait``'s
+``IDLE_WAIT_S``, when the scheduler has nothing to run but requests parked
+in ``WAITING_FOR_REMOTE_KVS`` (an async KV load under way: shared pool,
+offloading, a remote prefill), instead of running empty steps back to back
+(``core/idle_wait`` holds the wait, its rules and the measured facts).
 
-Stock vLLM 0.11.2 runs empty steps back to back meanwhile (schedule
-nothing, execute an empty batch, poll the connector): on a loaded host that
-is 10^4+ empty steps during one long load, and the engine thread holds the
-GIL the load thread needs for every socket read.  Nothing waits when any request
-can run, a finished load is waiting to be promoted, or finished requests
-are still to be sent to the workers; the wait is bounded, so a new request
-from the front end is picked up within ``IDLE_WAIT_S``.
+0.11.2's gate: the requests not running are in ``waiting``; finished
+requests and finished loads are work for the next step (its
+``failed_recving_kv_req_ids`` is not read, as before the gate moved to
+``core/idle_wait``).  It waits on the KV connector's
+``wait_for_remote_kv(timeout_s)`` when it has one (the shared pool's load
+thread wakes it as soon as a load lands), else sleeps.  Stricter than
+0.32's: every ``WAITING`` request is work for the next step, also one the
+last step passed over because the shared pool's lookup was under way
+(``get_num_new_matched_tokens`` answered None): that wake-up does not wake
+on a lookup's answer, so waiting there would delay each answered lookup by
+up to ``IDLE_WAIT_S``.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
+from vllm_overlay.core.idle_wait import IdleGate, wait_if_idle
 from vllm_overlay.core.patching import REGISTRY, Patch
 
 MODULE = "vllm.v1.engine.core"
-IDLE_WAIT_S = 0.002  # the longest an idle step waits for a KV load
 
 
-def waits_only_for_remote_kv(scheduler) -> bool:
-    """Every unfinished request is parked on an async KV load that has not
-    landed, and nothing else is pending for the next step."""
+def wait_on_connector(scheduler, timeout_s: float) -> bool:
+    """The connector's ``wait_for_remote_kv(timeout_s)`` (whether a load
+    ended it early), else a plain sleep."""
+    connector = getattr(scheduler, "connector", None)
+    wait = getattr(connector, "wait_for_remote_kv", None)
+    if wait is None:
+        time.sleep(timeout_s)
+        return False
+    return bool(wait(timeout_s))
+
+
+@functools.cache
+def gate() -> IdleGate:
     from vllm.v1.request import RequestStatus
 
-    try:
-        if (
-            scheduler.running
-            or scheduler.finished_req_ids
-            or scheduler.finished_recving_kv_req_ids
-        ):
-            return False
-        waiting = scheduler.waiting
-    except AttributeError:  # another scheduler class: never wait
-        return False
-    return bool(waiting) and all(
-        request.status == RequestStatus.WAITING_FOR_REMOTE_KVS for request in waiting
+    return IdleGate(
+        queues=("waiting",),
+        pending=("finished_req_ids", "finished_recving_kv_req_ids"),
+        parked=RequestStatus.WAITING_FOR_REMOTE_KVS,
+        waiting=RequestStatus.WAITING,
+        wake=wait_on_connector,
+        passed_over=False,
     )
 
 
 def idle_wait(engine) -> bool:
-    """Wait (at most ``IDLE_WAIT_S``) if the engine only waits for KV loads;
-    returns whether it waited."""
-    scheduler = engine.scheduler
-    if not waits_only_for_remote_kv(scheduler):
-        return False
-    wait = getattr(getattr(scheduler, "connector", None), "wait_for_remote_kv", None)
-    if wait is not None:
-        wait(IDLE_WAIT_S)
-    else:
-        time.sleep(IDLE_WAIT_S)
-    engine.vllm_overlay_idle_waits = getattr(engine, "vllm_overlay_idle_waits", 0) + 1
-    return True
+    """Wait (bounded) if the engine only waits for KV loads; whether it
+    waited."""
+    return wait_if_idle(engine, gate())
 
 
 def step(self):

@@ -13,9 +13,10 @@ blocks.  Without the flag the call is upstream's, unchanged.
 EC32-01 / EC32-02: ``EngineCore.step`` (and ``step_with_batch_queue`` with
 an empty batch queue) first waits a little when every request waits for its
 async KV load, or for the connector to say how many tokens it holds (a
-secondary tier's lookup or promotion; ``integration/v0_32/idle_wait``),
-instead of running empty steps back to back that hold the GIL the load's
-threads need.
+secondary tier's lookup or promotion), instead of running empty steps back
+to back that hold the GIL the load's threads need: ``core/idle_wait`` (the
+wait, shared with 0.11.2's EC-01/EC-02) with 0.32's gate
+(``integration/v0_32/idle_wait``: its queues, and ``TRANSFER_DONE``).
 """
 
 from vllm_overlay.core.patching import REGISTRY, Patch
