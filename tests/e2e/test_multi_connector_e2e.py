@@ -34,10 +34,12 @@ HIT = [3 * BLOCK, 2 * BLOCK]  # every full block but a prompt's last token's
 def stock():
     """passes[0] cold (computed), passes[1] the same prompts served from
     stock's device prefix cache, one request at a time."""
-    from conftest import LLMRun
+    from conftest import _memoized
 
-    return LLMRun(
-        {"url": None, "prompts": "shared", "repeat": True}, STOCK, "run_pool.py"
+    # The same run as test_shared_pool_e2e's and test_multi_connector_serve's
+    # stock: made once per session.
+    return _memoized("run_pool.py")(
+        {"url": None, "prompts": "shared", "repeat": True}, **STOCK
     )
 
 

@@ -130,12 +130,12 @@ def logged_stats(
 
 
 def test_two_served_nodes_host_then_pool(tmp_path):
-    from conftest import LLMRun
+    from conftest import _memoized
 
-    stock = LLMRun(
-        {"url": None, "prompts": "shared", "repeat": True},
-        {"VLLM_OVERLAY_DISABLE": "1"},
-        "run_pool.py",
+    # Stock's run, shared with test_shared_pool_e2e and
+    # test_multi_connector_e2e (the same arguments: one process a session).
+    stock = _memoized("run_pool.py")(
+        {"url": None, "prompts": "shared", "repeat": True}, VLLM_OVERLAY_DISABLE="1"
     )
     with redis_server() as server:
         a = node(server.url, tmp_path / "serve-a.log")

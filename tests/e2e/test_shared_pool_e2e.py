@@ -36,16 +36,15 @@ def stock(llm_run_stock_pool):
 
 @pytest.fixture(scope="module")
 def llm_run_stock_pool():
-    from conftest import LLMRun
-
     """Per prompt set: passes[0] cold (recomputed), passes[1] (shared only)
-    the same prompts served from stock's device prefix cache."""
+    the same prompts served from stock's device prefix cache.  Memoized:
+    the "shared" run is test_multi_connector_e2e's and
+    test_multi_connector_serve's stock too (one process a session)."""
+    from conftest import _memoized
+
+    run = _memoized("run_pool.py")
     return {
-        kind: LLMRun(
-            {"url": None, "prompts": kind, "repeat": kind == "shared"},
-            STOCK,
-            "run_pool.py",
-        )
+        kind: run({"url": None, "prompts": kind, "repeat": kind == "shared"}, **STOCK)
         for kind in ("shared", "other")
     }
 

@@ -18,7 +18,8 @@ import shutil
 import sys
 
 import pytest
-from conftest import run
+from conftest import run, shared_run
+from test_pp_budget_cpu import config_checks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "patches" / "tools"))
@@ -86,7 +87,7 @@ def rendered_env(tree: pathlib.Path) -> dict:
 def test_the_rendered_pp_front_end_gives_the_overlays_outcomes(tree):
     """Bad configurations fail in create_engine_config with the same
     errors; the command line flag parses and reaches additional_config."""
-    overlay = run("run_pp.py", {"check": "config"}).result
+    overlay = config_checks()["overlay"].result  # test_pp_budget_cpu's run
     rendered = run("run_pp.py", {"check": "config"}, **rendered_env(tree)).result
     assert rendered["outcome"].startswith("disabled")
     cases = ["no_budget", "bad_partition", "too_small", "not_bool", "good"]
@@ -102,7 +103,7 @@ def test_the_rendered_pp_split_runs_like_the_runtime_patches(tree):
     get_kv_cache_configs gives each stage its share (64 blocks each), as
     the overlay's PP32-04 does, with the same tokens and logprobs."""
     config = {"flag": True, "kv_bytes": 16 * MiB}
-    overlay = run("run_pp.py", config, **P31)
+    overlay = shared_run("run_pp.py", config, **P31)  # test_pp_budget_cpu's
     rendered = run("run_pp.py", config, **P31, **rendered_env(tree))
     assert rendered.result["outcome"].startswith("disabled")
     assert rendered.result["workers"] == overlay.result["workers"]

@@ -26,6 +26,7 @@ BLOCK = 128  # vLLM 0.32's block size on CPU
 
 @pytest.fixture(scope="module")
 def stock():
+    """Stock 0.32 (test_cross_layer_cpu's reference too: once per session)."""
     return run("run_layout.py", {"single": True}, VLLM_OVERLAY_DISABLE="1")
 
 
