@@ -1,7 +1,16 @@
-"""Shared runner for the end-to-end tests: one vLLM run per process."""
+"""Shared runner for the end-to-end tests: one vLLM run per process.
+
+The runner scripts in ``FORKED`` run as forked children of one process
+that imported vLLM once per session (tests/support/run_zygote.py): a
+child starts as the script's own process would, with the run's
+environment, minus the import.  ``OVERLAY_TESTS_FORK=0`` runs every
+script as a process of its own; so does a run whose environment sets a
+variable Python reads only at start-up (``PYTHONPATH``).
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
@@ -12,28 +21,83 @@ import tempfile
 import pytest
 
 HERE = pathlib.Path(__file__).parent
+ZYGOTE = HERE.parent / "support" / "run_zygote.py"
+DEADLINE_S = 300
+# Runner scripts (by path) run in a forked child; each was checked to give
+# the results and logs of its own process.
+FORKED = {
+    str(HERE.parent / "v0_32" / "run_layout.py"),
+}
+
+_zygote: subprocess.Popen | None = None
+
+
+def _forks(script: str, env: dict[str, str]) -> bool:
+    return (
+        os.environ.get("OVERLAY_TESTS_FORK", "1") != "0"
+        and script in FORKED
+        and not any(name.startswith("PYTHON") for name in env)
+    )
+
+
+def _stop_zygote() -> None:
+    if _zygote is not None and _zygote.poll() is None:
+        _zygote.kill()
+        _zygote.wait()
+
+
+def _forked_run(script: str, argv: list[str], env: dict, log: pathlib.Path) -> int:
+    """The run's exit status: run_zygote.py forks it (started on first use)."""
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        _zygote = subprocess.Popen(
+            [sys.executable, str(ZYGOTE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        atexit.register(_stop_zygote)
+        ready = _zygote.stdout.readline()
+        assert ready.strip() == '{"ready": true}', f"run_zygote.py: {ready!r}"
+    request = {
+        "script": script,
+        "argv": argv,
+        "env": env,
+        "log": str(log),
+        "deadline_s": DEADLINE_S,
+    }
+    _zygote.stdin.write(json.dumps(request) + "\n")
+    _zygote.stdin.flush()
+    answer = _zygote.stdout.readline()
+    assert answer, "run_zygote.py exited"
+    return json.loads(answer)["rc"]
 
 
 class LLMRun:
     def __init__(
         self, config: dict, env: dict[str, str], script: str = "run_llm.py"
     ) -> None:
+        script = str(HERE / script)  # an absolute path stays as it is
         with tempfile.TemporaryDirectory() as tmp:
             out = pathlib.Path(tmp) / "result.json"
             full_env = {**os.environ, **env, "OVERLAY_RESULT_FILE": str(out)}
-            proc = subprocess.run(
-                [sys.executable, str(HERE / script), json.dumps(config)],
-                env=full_env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
+            if _forks(script, env):
+                log = pathlib.Path(tmp) / "run.log"
+                rc = _forked_run(script, [json.dumps(config)], full_env, log)
+                self.log = log.read_text(errors="replace") if log.exists() else ""
+            else:
+                proc = subprocess.run(
+                    [sys.executable, script, json.dumps(config)],
+                    env=full_env,
+                    capture_output=True,
+                    text=True,
+                    timeout=DEADLINE_S,
+                )
+                rc, self.log = proc.returncode, proc.stdout + proc.stderr
             text = out.read_text() if out.exists() else ""
-        self.log = proc.stdout + proc.stderr
-        if proc.returncode != 0 or not text:
+        if rc != 0 or not text:
             raise AssertionError(
-                f"vLLM run {config} {env} failed "
-                f"(rc={proc.returncode}):\n{self.log[-6000:]}"
+                f"vLLM run {config} {env} failed (rc={rc}):\n{self.log[-6000:]}"
             )
         self.result = json.loads(text)
         self.passes = self.result.get("passes")

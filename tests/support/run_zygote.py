@@ -1,0 +1,103 @@
+"""Runs the test suites' runner scripts as forked children of one process
+that imported vLLM once (about 14 s of CPU per runner process saved here).
+
+Started by tests/e2e/conftest.py (``LLMRun``) with the harness's Python.
+It imports vLLM, registers nothing and starts no engine, then reads one
+request per line on stdin, JSON:
+
+    {"script": PATH, "argv": [...], "env": {...}, "log": PATH, "deadline_s": S}
+
+and answers one line, JSON ``{"rc": N}``, once that run is over.  Each
+run's child starts a session of its own (its engine's processes with it),
+takes ``env`` as its whole environment (read by vLLM and the overlay when
+the engine starts and the overlay registers), writes its stdout and stderr
+to ``log`` and runs ``script`` as ``__main__``, then exits as a process
+does (atexit hooks: vLLM's shutdown), less the interpreter's teardown.
+Past ``deadline_s`` the session is killed (rc -9); after a run, whatever
+the session left running is killed.
+Variables Python reads only at start-up (``PYTHON*``) cannot be given: the
+caller runs those scripts as processes of their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+
+
+def child(request: dict) -> None:
+    """In the forked child: never returns."""
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the requests' pipe is the parent's
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        script = request["script"]
+        sys.argv = [script, *request["argv"]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported in the log, as Python does
+        import traceback
+
+        traceback.print_exc()
+    # A process's exit: the atexit hooks (vLLM's engine shutdown, weakref
+    # finalizers), then out, without the interpreter's teardown (seconds
+    # of it in a child of this process); the parent kills what is left.
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def wait(pid: int, deadline_s: float) -> int:
+    end = time.monotonic() + deadline_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            rc = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > end:
+            rc = -9
+            break
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # the run's session: what it left
+    if rc == -9:
+        os.waitpid(pid, 0)
+    return rc
+
+
+def main() -> None:
+    import vllm  # noqa: F401 - the bulk of a runner's start-up
+    import vllm.engine.arg_utils  # noqa: F401
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            child(request)
+        rc = wait(pid, float(request["deadline_s"]))
+        print(json.dumps({"rc": rc}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
