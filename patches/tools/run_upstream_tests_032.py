@@ -16,13 +16,43 @@ with ``VLLM_OVERLAY_DISABLE=1`` (stock) and without (the overlay).  In both
 runs vLLM's general plugins are loaded once at session start, as every
 vLLM process does, so the overlay's patches are in place for every test.
 
+Offline, the tests that build a model config find one: the tree holds a
+Hugging Face cache (``HUB_MODELS``, ``HF_HUB_CACHE``) with the
+``config.json`` of the models they name (``facebook/opt-125m``: the
+connector's scheduler and events tests; ``Qwen/Qwen3-0.6B``, EngineArgs'
+default) and an empty snapshot for the placeholder names of
+test_arg_utils.py (offline, ``EngineArgs`` resolves every model name to a
+snapshot folder).  Without it 131 tests failed alike in both runs (100 of
+them the connector's scheduler tests, which OF32-06 patches) and compared
+nothing.  No weights: vLLM inspects each architecture once in a
+subprocess and caches it (``$VLLM_CACHE_ROOT/modelinfos``).
+
+After each test, vLLM's tests/conftest.py runs
+``cleanup_dist_env_and_memory()``, whose ``gc.collect()`` of every
+generation (with vLLM, torch and the tests imported) took 1.6 s a call
+measured alone (load average 9) and 5 s a test in the runs: most of a
+run's time.  The plugin marks
+every test ``skip_global_cleanup`` (upstream's own opt-out for tests that
+hold no GPU memory) and does the rest of that cleanup itself (the envs
+cache, model-parallel groups, the distributed environment;
+``gc.collect(1)``).  None of the selected tests sets up a distributed
+environment or holds GPU memory.
+
 Left out (``DESELECT``, ``DESELECT_TESTS``, each with why): what needs a
 GPU (CUDA streams and kernels), what needs a network or another process
-(NIXL, ZMQ), and what runs only in spawned processes (no plugin loads
-there).  Measured on a 2-core machine shared with other test runs: 1044 tests
-a run, both runs at once in 1270 s (903 passed, 10 skipped and 131 failed,
-the same in both: most of the connector's scheduler tests and 25 of
-test_arg_utils.py need a GPU or a network).
+(NIXL, ZMQ), what runs only in spawned processes (no plugin loads there),
+and the two engine tests on a model's weights.
+
+Measured on a 2-core machine shared with other test runs
+(``python patches/tools/run_upstream_tests_032.py --python
+.venv-0.32/bin/python``): 1042 tests a run, 1032 passed and 10 skipped in
+both; both runs at once in 206 s wall (load average 6-10) with vLLM's
+model-info cache warm, 88 s of CPU; 209 s wall (load average 1.3 rising
+to 6) with it empty (``VLLM_CACHE_ROOT``, as on a fresh machine: the
+scheduler and arg_utils tests inspect OPT and Qwen3 in subprocesses),
+137 s of CPU.  About 80 s of each run's wall is vLLM's and the tests'
+imports.  Before the cache of model configs and the lighter cleanup: 1044
+tests a run, 903 passed, 10 skipped, 131 failed, 1270 s wall.
 
 Each test's outcome (passed, failed, error, skipped) is recorded by a
 small plugin in the tree; the two runs must agree test by test.  Printed:
@@ -59,6 +89,10 @@ SPAWNED = (
     "the region is exercised in spawned processes, which load no vLLM "
     "plugin (the overlay cannot change them) and take about 60 s together"
 )
+WEIGHTS = (
+    "an engine (LLM()) on meta-llama/Llama-3.2-1B-Instruct's weights, which "
+    "the offline runs do not have"
+)
 # paths under SELECT left out -> why (they fail or hang alike in both runs)
 DESELECT = {
     "tests/v1/kv_offload/cpu/test_gpu_worker.py": "CUDA streams and copies",
@@ -75,6 +109,10 @@ DESELECT_TESTS = {
     "test_multiprocess_race_construct_and_write": SPAWNED,
     "tests/v1/kv_offload/cpu/test_shared_offload_region.py::"
     "test_create_next_worker_view_multiprocess_slots": SPAWNED,
+    "tests/v1/kv_connector/unit/test_offloading_connector.py::"
+    "test_tiering_offloading": WEIGHTS,
+    "tests/v1/kv_connector/unit/test_offloading_connector.py::"
+    "test_fs_tiering_offloading": WEIGHTS,
 }
 MARKERS = [
     "slow_test",
@@ -95,11 +133,14 @@ ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
-# a pytest plugin in the tree: load vLLM's plugins at session start, and
+# a pytest plugin in the tree: load vLLM's plugins at session start;
 # append each phase's outcome as a JSON line to $OUTCOMES (as it happens:
-# a run cut short leaves what it ran)
+# a run cut short leaves what it ran); after each test, vLLM's cleanup less
+# its collection of every generation (see the module doc)
 PLUGIN = """\
-import json, os, time
+import gc, json, os, time
+
+import pytest
 
 _started = time.monotonic()
 
@@ -118,6 +159,23 @@ def pytest_configure(config):
     _write("register()", vllm_overlay.register(), time.monotonic() - _started)
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.skip_global_cleanup)
+
+
+@pytest.fixture(autouse=True)
+def _cleanup_without_full_collection():
+    yield
+    from vllm import envs
+    from vllm.distributed import parallel_state
+
+    envs.disable_envs_cache()
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+    gc.collect(1)
+
+
 def pytest_runtest_logreport(report):
     if report.failed:
         outcome = "failed" if report.when == "call" else "error"
@@ -125,6 +183,58 @@ def pytest_runtest_logreport(report):
         outcome = "skipped" if report.skipped else "passed"
     _write(report.nodeid, outcome, report.duration)
 """
+
+# The Hugging Face cache the runs read (HF_HUB_CACHE in the tree; they run
+# offline): the models vLLM's selected tests name, each with the files they
+# read.  The connector's scheduler tests build a ModelConfig of
+# facebook/opt-125m (its config.json); offline, EngineArgs resolves any
+# model name (test_arg_utils.py: "dummy", "m", "test", the default
+# Qwen/Qwen3-0.6B) to a snapshot folder, and create_engine_config reads the
+# default model's config.json.  Each config holds the architecture and sizes
+# of the published model; no test here reads weights or a tokenizer.
+OPT_125M = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "activation_function": "relu",
+    "do_layer_norm_before": True,
+    "hidden_size": 768,
+    "word_embed_proj_dim": 768,
+    "ffn_dim": 3072,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "max_position_embeddings": 2048,
+    "vocab_size": 50272,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "torch_dtype": "float16",
+}
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 28,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+HUB_MODELS = {
+    "facebook/opt-125m": {"config.json": OPT_125M},
+    "Qwen/Qwen3-0.6B": {"config.json": QWEN3_06B},
+    "dummy": {},
+    "m": {},
+    "test": {},
+}
+HUB_REVISION = "0" * 40
 
 # vLLM's tests/conftest.py imports tblib for cross-process tracebacks only;
 # the harness does not install it
@@ -134,6 +244,18 @@ TBLIB = "def install(*args, **kwargs):\n    pass\n"
 def default_python() -> pathlib.Path:
     venv = os.environ.get("OVERLAY_VENV_0_32") or str(ROOT / ".venv-0.32")
     return pathlib.Path(venv) / "bin" / "python"
+
+
+def write_hub(hub: pathlib.Path) -> None:
+    """HUB_MODELS as a Hugging Face cache (HF_HUB_CACHE) at HUB."""
+    for repo, files in HUB_MODELS.items():
+        folder = hub / ("models--" + repo.replace("/", "--"))
+        snapshot = folder / "snapshots" / HUB_REVISION
+        snapshot.mkdir(parents=True)
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text(HUB_REVISION)
+        for name, content in files.items():
+            (snapshot / name).write_text(json.dumps(content, indent=1))
 
 
 def build_tree(tree: pathlib.Path, version: str, python: pathlib.Path) -> None:
@@ -154,6 +276,7 @@ def build_tree(tree: pathlib.Path, version: str, python: pathlib.Path) -> None:
         (tree / "_shim" / "tblib").mkdir(parents=True)
         (tree / "_shim" / "tblib" / "__init__.py").write_text("")
         (tree / "_shim" / "tblib" / "pickling_support.py").write_text(TBLIB)
+    write_hub(tree / "hf-hub")
     lines = "".join(f"    {marker}\n" for marker in MARKERS)
     (tree / "pytest.ini").write_text(f"[pytest]\nmarkers =\n{lines}")
 
@@ -167,6 +290,7 @@ def start(tree, python, overlay: bool, pytest_args: list[str]):
     for name in ("PYTHONSTARTUP", "VLLM_PLUGINS", "VLLM_OVERLAY_SKIP_PATCHES"):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "_shim")])
+    env["HF_HUB_CACHE"] = str(tree / "hf-hub")
     env["OUTCOMES"] = str(tree / f"outcomes-{kind}.json")
     env["TMPDIR"] = str(tree / f"tmp-{kind}")
     os.makedirs(env["TMPDIR"])
@@ -240,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the tree")
     args, pytest_args = parser.parse_known_args(argv)
     pytest_args = [a for a in pytest_args if a != "--"]
+    # the runs' working directory is the tree; a venv's python is a link
+    # that must stay one (its venv is found from it)
+    args.python = args.python.absolute()
     tree = pathlib.Path(tempfile.mkdtemp(prefix="vllm-032-tests-"))
     try:
         build_tree(tree, args.version, args.python)

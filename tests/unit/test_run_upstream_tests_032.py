@@ -4,7 +4,10 @@ and without the overlay must agree test by test (the run itself is in tox's
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -31,5 +34,153 @@ def test_the_selection_covers_what_the_overlay_plugs_into():
         "tests/v1/kv_connector/unit/offloading_connector",
         "tests/engine/test_arg_utils.py",
     }
-    for path, why in runner.DESELECT.items():
+    for path, why in [*runner.DESELECT.items(), *runner.DESELECT_TESTS.items()]:
         assert why and any(path.startswith(s) for s in runner.SELECT), path
+    # the tests of what the v0_32 set patches run whole: the CPU spec and
+    # manager (OF32-01), the tiering spec (OF32-02), the factory, the
+    # connector's scheduler (OF32-06) and worker (OF32-04)
+    touched = [
+        "tests/v1/kv_offload/cpu/test_manager.py",
+        "tests/v1/kv_offload/tiering/test_tiering_offloading.py",
+        "tests/v1/kv_offload/tiering/test_factory.py",
+        "tests/v1/kv_offload/test_factory.py",
+        "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
+        "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
+    ]
+    left_out = [*runner.DESELECT, *runner.DESELECT_TESTS]
+    for path in touched:
+        assert not [o for o in left_out if o.startswith(path)], path
+        assert not [o for o in runner.DESELECT if path.startswith(o)], path
+
+
+def test_the_offline_runs_find_the_models_the_tests_name(tmp_path):
+    # huggingface_hub of the 0.32 harness, offline, resolves each model as
+    # vLLM does (EngineArgs: a snapshot folder; ModelConfig: its config.json;
+    # that vLLM builds each model's config from it, the runs themselves show)
+    runner.write_hub(tmp_path / "hub")
+    script = (
+        "import json, os, sys\n"
+        "from huggingface_hub import hf_hub_download, snapshot_download\n"
+        "found = {}\n"
+        "for repo in sys.argv[1:]:\n"
+        "    path = snapshot_download(repo, local_files_only=True,"
+        " ignore_patterns='*')\n"
+        "    found[repo] = None\n"
+        "    if os.path.exists(os.path.join(path, 'config.json')):\n"
+        "        with open(hf_hub_download(repo, 'config.json')) as file:\n"
+        "            config = json.load(file)\n"
+        "        found[repo] = [config['model_type'], config['architectures']]\n"
+        "print(json.dumps(found))\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"))
+    done = subprocess.run(
+        [str(runner.default_python()), "-c", script, *runner.HUB_MODELS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["facebook/opt-125m"] == ["opt", ["OPTForCausalLM"]]
+    assert found["Qwen/Qwen3-0.6B"] == ["qwen3", ["Qwen3ForCausalLM"]]
+    assert found["dummy"] is None  # a folder, no config: only resolved
+
+
+# vLLM's tests/conftest.py, in the shape the plugin relies on: a full
+# cleanup (gc.collect of every generation, ~1.6-5 s a test with vLLM
+# imported) after each test unless it is marked skip_global_cleanup
+CONFTEST = """\
+import os
+
+import pytest
+
+
+@pytest.fixture()
+def should_do_global_cleanup_after_test(request) -> bool:
+    return not request.node.get_closest_marker("skip_global_cleanup")
+
+
+@pytest.fixture(autouse=True)
+def cleanup_fixture(should_do_global_cleanup_after_test: bool):
+    yield
+    if should_do_global_cleanup_after_test:
+        with open(os.environ["CALLS"], "a") as out:
+            out.write("full cleanup\\n")
+"""
+# stand-ins for the vLLM functions the plugin calls, each writing its name
+STAND_IN = """\
+import os
+
+
+def _record(name):
+    with open(os.environ["CALLS"], "a") as out:
+        out.write(name + "\\n")
+"""
+STAND_INS = {
+    "vllm/__init__.py": "",
+    "vllm/plugins.py": "def load_general_plugins():\n    _record('plugins')\n",
+    "vllm/envs.py": "def disable_envs_cache():\n    _record('envs cache')\n",
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/parallel_state.py": (
+        "def destroy_model_parallel():\n    _record('model parallel')\n\n\n"
+        "def destroy_distributed_environment():\n    _record('distributed')\n"
+    ),
+    "vllm_overlay/__init__.py": "def register():\n    return 'applied'\n",
+}
+TESTS = """\
+import pytest
+
+
+def test_passes():
+    pass
+
+
+def test_fails():
+    assert False
+
+
+@pytest.mark.skip(reason="here")
+def test_skipped():
+    pass
+"""
+
+
+def test_the_plugin_records_outcomes_and_skips_only_the_full_collection(tmp_path):
+    (tmp_path / "_outcomes.py").write_text(runner.PLUGIN)
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_it.py").write_text(TESTS)
+    for name, text in STAND_INS.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(STAND_IN + "\n\n" + text if text else "")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    calls, outcomes = tmp_path / "calls.txt", tmp_path / "outcomes.json"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), CALLS=str(calls))
+    env["OUTCOMES"] = str(outcomes)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += ["-p", "_outcomes", "-c", str(tmp_path / "pytest.ini")]
+    done = subprocess.run(
+        [*command, "--rootdir", str(tmp_path), "test_it.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout[-2000:]  # test_fails failed
+    lines = [json.loads(line) for line in outcomes.read_text().splitlines()]
+    assert lines[0][:2] == ["register()", "applied"]
+    phases: dict[str, list[str]] = {}
+    for test, outcome, _ in lines[1:]:
+        phases.setdefault(test.split("::")[-1], []).append(outcome)
+    assert phases == {
+        "test_passes": ["passed"] * 3,
+        "test_fails": ["passed", "failed", "passed"],
+        "test_skipped": ["skipped", "passed"],
+    }
+    # vLLM's plugins loaded once; after each test run, the cleanup less the
+    # full collection; upstream's full cleanup never
+    light = ["envs cache", "model parallel", "distributed"]
+    assert calls.read_text().split("\n")[:-1] == ["plugins", *light * 2]
