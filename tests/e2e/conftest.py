@@ -26,7 +26,13 @@ DEADLINE_S = 300
 # Runner scripts (by path) run in a forked child; each was checked to give
 # the results and logs of its own process.
 FORKED = {
-    str(HERE.parent / "v0_32" / "run_layout.py"),
+    str(HERE.parent / "v0_32" / name)
+    for name in (
+        "run_layout.py",
+        "run_pp.py",
+        "run_pressure.py",
+        "run_refusals.py",
+    )
 }
 
 _zygote: subprocess.Popen | None = None
