@@ -70,6 +70,9 @@ MODULES = {
     "vllm_overlay.integration.v0_32.offload_worker": (
         "vllm.v1.kv_offload.cpu.cpu_platform_worker"
     ),
+    # the copy step both CPU workers share: next to block_copy (0.32 has no
+    # kv_offload/worker package)
+    "vllm_overlay.core.offload.host_copy": "vllm.v1.kv_offload.host_copy",
     # the engine's bounded wait while requests only wait for KV loads: the
     # wait (shared with 0.11.2), then 0.32's gate
     "vllm_overlay.core.idle_wait": "vllm.v1.engine.kv_idle_gate",

@@ -56,6 +56,7 @@ def test_every_core_module_imports_without_vllm():
             "ops.block_copy",
             "ops.triton_kernels",
             "offload",
+            "offload.host_copy",
             "offload.mapping",
             "offload.mover",
             "pool",

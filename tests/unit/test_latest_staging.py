@@ -96,6 +96,7 @@ def test_new_files_are_the_overlay_modules_a_patch_needs():
     assert stage_latest.new_modules(patch_cpu_offload_spec) == [
         "vllm_overlay.core.ops.triton_kernels",
         "vllm_overlay.core.ops.block_copy",
+        "vllm_overlay.core.offload.host_copy",
         "vllm_overlay.core.idle_wait",
         "vllm_overlay.integration.v0_32.idle_wait",
         "vllm_overlay.integration.v0_32.offload_worker",

@@ -106,7 +106,7 @@ def test_blocks_land_in_the_primary_tiers_view(world, rank, page, tensors, per, 
         raise
     try:
         assert type(worker).__name__ == "CPUPlatformOffloadingWorker"
-        assert (worker._flat is None) == (apart or tensors > 1)
+        assert (not worker.host_blocks.flat) == (apart or tensors > 1)
         # What the secondary tiers see: [chunk, row bytes].
         view = numpy.asarray(manager.primary_tier.get_kv_memoryview())
         block = page * tensors

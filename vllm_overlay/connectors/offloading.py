@@ -54,8 +54,9 @@ from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
+from vllm_overlay.core.offload.host_copy import TransferStats
 from vllm_overlay.core.offload.mapping import pair_sub_blocks
-from vllm_overlay.core.offload.mover import METHODS, BlockMover, TransferStats
+from vllm_overlay.core.offload.mover import METHODS, BlockMover
 from vllm_overlay.core.ops.block_copy import BlockTable
 from vllm_overlay.integration.kv_tables import cross_layer_table, per_layer_table
 from vllm_overlay.integration.model_kv import host_pool_size

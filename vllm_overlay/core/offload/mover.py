@@ -1,50 +1,30 @@
-"""Asynchronous block moves between a device KV cache and a host pool.
+"""Asynchronous block moves between a device KV cache and a host pool
+(vLLM 0.11.2's offloading connector).
 
 Knows nothing of vLLM.  The host pool is ``[num_host_blocks, block_bytes]``
-(pinned on CUDA); host block ``h`` holds one device block packed as the
-``BlockTable`` describes it (for a cross-layer buffer: its bytes verbatim).
+(pinned on CUDA): ``HostLayout.packed``, host block ``h`` holds one device
+block packed as the ``BlockTable`` describes it (for a cross-layer buffer:
+its bytes verbatim).  The copy itself is ``host_copy.HostBlocks.copy``, the
+step vLLM 0.32's CPU worker uses too; this class adds what 0.11.2's
+``OffloadingHandler`` needs around it: the method choice (DMA or one Triton
+launch), job ids polled for completion, and stats per direction taken by
+interval.
 
 On CUDA each job runs on a side stream (one for stores, one for loads) that
 first waits for the compute stream, so a store is ordered after the kernels
 that wrote the blocks; completion is polled with events.  On CPU there is no
 copy engine: jobs run at submit time and are reported finished at the next
-poll.
+poll (0.32's worker has its own thread instead: its callers may not block).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import torch
 
-from vllm_overlay.core.ops.block_copy import COPY_METHODS, BlockTable
+from vllm_overlay.core.offload.host_copy import HostBlocks, HostLayout, TransferStats
+from vllm_overlay.core.ops.block_copy import BlockTable
 
 METHODS = ("auto", "dma", "triton")
-
-
-@dataclasses.dataclass
-class TransferStats:
-    """Totals since the last ``take``; one per direction."""
-
-    jobs: int = 0
-    blocks: int = 0
-    bytes: int = 0
-    copy_calls: int = 0
-    seconds: float = 0.0  # CPU: measured copy time; CUDA: submit time
-
-    def add(self, other: TransferStats) -> None:
-        for field in dataclasses.fields(self):
-            setattr(
-                self, field.name, getattr(self, field.name) + getattr(other, field.name)
-            )
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-    def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "gb_per_s": self.gb_per_s}
 
 
 def choose_method(table: BlockTable, method: str) -> str:
@@ -77,13 +57,15 @@ class BlockMover:
         self.table = table
         self.method = choose_method(table, method)
         self.cuda = table.device.type == "cuda"
+        layout = HostLayout.packed(table)
         self.host = torch.zeros(
             num_host_blocks,
-            table.block_bytes,
+            layout.row_bytes,
             dtype=torch.uint8,
             device="cpu",
             pin_memory=self.cuda,
         )
+        self.host_blocks = HostBlocks(layout, self.host, self.method)
         self._streams = (
             {
                 True: torch.cuda.Stream(table.device),
@@ -109,30 +91,18 @@ class BlockMover:
         """Start copying device blocks <-> host blocks (pairwise)."""
         if job_id in self._pending:
             raise ValueError(f"job {job_id} is already in flight")
-        copy = COPY_METHODS[self.method]
-        start = time.perf_counter()
         if self.cuda:
             stream = self._streams[to_host]
             stream.wait_stream(torch.cuda.current_stream(self.table.device))
             with torch.cuda.stream(stream):
-                calls = copy(self.table, device_ids, self.host, to_host, host_ids)
+                stats = self.host_blocks.copy(device_ids, host_ids, to_host)
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
-            calls = copy(self.table, device_ids, self.host, to_host, host_ids)
+            stats = self.host_blocks.copy(device_ids, host_ids, to_host)
             event = None
-        elapsed = time.perf_counter() - start
-        n = device_ids.numel()
         self._pending[job_id] = event
-        self.stats["store" if to_host else "load"].add(
-            TransferStats(
-                jobs=1,
-                blocks=n,
-                bytes=n * self.table.block_bytes,
-                copy_calls=calls,
-                seconds=elapsed,
-            )
-        )
+        self.stats["store" if to_host else "load"].add(stats)
 
     def poll(self) -> list[int]:
         """Job ids finished since the last poll."""

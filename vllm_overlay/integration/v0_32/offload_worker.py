@@ -6,22 +6,25 @@ and host memory through an ``OffloadingWorker``; upstream's
 ``CPUOffloadingSpec.get_worker`` refuses any other platform.  This worker
 keeps everything else upstream's (the connector, the manager and its
 eviction policies, the ``cpu_bytes_to_use`` sizing, the chunk ids the
-scheduler hands out) and moves the bytes with ``core/ops``' DMA path: one
-``copy_`` per KV tensor and run of consecutive blocks inside a chunk; with
-cross-layer blocks (``BLHNC``: one canonical tensor whose row is a block of
-every layer) and chunks back to back, runs also cross chunks.
+scheduler hands out) and moves the bytes with the copy step that vLLM
+0.11.2's connector uses too (``host_copy.HostBlocks``, on ``core/ops``' DMA
+path): one ``copy_`` per KV tensor and run of consecutive blocks inside a
+chunk; with cross-layer blocks (``BLHNC``: one canonical tensor whose row
+is a block of every layer) and chunks back to back, runs also cross chunks.
+What stays here is upstream's contract: specs to block ids and host places,
+the background thread, retries, and ``TransferResult``.
 
-Host memory is ``num_cpu_chunks`` chunks, each laid out as upstream's
-worker lays out its slot of a chunk row (``cpu/gpu_worker.py``: one
-``SharedOffloadRegion.create_next_worker_view`` per KV tensor, in tensor
-order): tensor after tensor, each tensor's ``blocks_per_chunk`` blocks back
-to back.  So a CPU engine and a GPU engine write the same bytes for the
-same KV, and a chunk one wrote (to a file tier, a shared pool) is one the
-other can load.  Consecutive blocks of one tensor are contiguous in a
-chunk: one copy per such run and tensor.  By default the
-worker allocates the memory at startup; a caller can hand it in instead
-(``host``): the tiering spec gives it its slot of the primary tier's shared
-region, which the scheduler's secondary tiers read and write.
+Host memory is ``num_cpu_chunks`` chunks (``HostLayout.tensor_major``),
+each laid out as upstream's worker lays out its slot of a chunk row
+(``cpu/gpu_worker.py``: one ``SharedOffloadRegion.create_next_worker_view``
+per KV tensor, in tensor order): tensor after tensor, each tensor's
+``blocks_per_chunk`` blocks back to back.  So a CPU engine and a GPU engine
+write the same bytes for the same KV, and a chunk one wrote (to a file
+tier, a shared pool) is one the other can load.  Consecutive blocks of one
+tensor are contiguous in a chunk: one copy per such run and tensor.  By
+default the worker allocates the memory at startup; a caller can hand it in
+instead (``host``): the tiering spec gives it its slot of the primary
+tier's shared region, which the scheduler's secondary tiers read and write.
 Transfers run in submission order on one background thread, never on the
 engine's, and ``wait`` has a deadline.  A transfer that raises is redone
 from the start on that thread, up to ``TRANSFER_RETRIES`` more times (a
@@ -34,7 +37,8 @@ recomputes the request of a failed load as ``kv_load_failure_policy`` says
 which one applies when it starts), and completes a failed store as not
 stored.  Either way the engine serves on and no request runs on KV that was
 not written.  ``retries`` and ``failed`` count, per direction, the attempts
-redone and the jobs given up.
+redone and the jobs given up; ``stats`` the blocks, bytes, copy calls and
+seconds of the jobs done (``copies`` and ``blocks`` read from it).
 """
 
 from __future__ import annotations
@@ -45,13 +49,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
-from vllm_overlay.core.ops.block_copy import BlockTable, gather, scatter
+from vllm_overlay.core.offload.host_copy import HostBlocks, HostLayout, TransferStats
+from vllm_overlay.core.ops.block_copy import BlockTable
 from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 
 logger = logging.getLogger("vllm.overlay")
@@ -98,14 +102,8 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         self.blocks_per_chunk = blocks_per_chunk
         # Upstream's chunk: every KV tensor's blocks_per_chunk pages, tensor
         # after tensor (a tensor no reference uses keeps its place).
-        self._parts: list[_Part] = []
-        offset = 0
-        for i, page in enumerate(pages):
-            if i in rows:
-                table = BlockTable.from_tensors([rows[i]], 0)
-                self._parts.append(_Part(table, offset, blocks_per_chunk * page))
-            offset += blocks_per_chunk * page
-        chunk_bytes = offset
+        layout = HostLayout.tensor_major(pages, rows, blocks_per_chunk)
+        chunk_bytes = layout.row_bytes
         memory = (host or _allocate(num_cpu_chunks))(chunk_bytes)
         if (
             memory.dtype != torch.int8
@@ -118,18 +116,10 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 f"{memory.dtype} strides {memory.stride()}"
             )
         self.host = memory  # [chunk, byte]
-        # One tensor filling chunks that lie back to back: its blocks are
-        # one flat run of rows (a copy may cross chunks).
-        self._flat = (
-            memory.view(-1)
-            if memory.is_contiguous()
-            and len(self._parts) == 1
-            and self._parts[0].size == chunk_bytes
-            else None
-        )
+        # host place of block j of chunk c: c * blocks_per_chunk + j
+        self.host_blocks = HostBlocks(layout, memory, "dma")
         self._release = release
-        self.copies = {"store": 0, "load": 0}  # copy_ calls (tests, logs)
-        self.blocks = {"store": 0, "load": 0}
+        self.stats = {"store": TransferStats(), "load": TransferStats()}
         self.retries = {"store": 0, "load": 0}  # attempts redone
         self.failed = {"store": 0, "load": 0}  # jobs given up
         self._jobs: queue.Queue = queue.Queue()
@@ -151,9 +141,19 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
             num_cpu_chunks,
             blocks_per_chunk,
             "allocated here" if host is None else "given by the spec",
-            "runs across chunks" if self._flat is not None else "chunk by chunk",
+            "runs across chunks" if self.host_blocks.flat else "chunk by chunk",
         )
         _log_load_failure_policy()
+
+    @property
+    def copies(self) -> dict[str, int]:
+        """copy_ calls per direction, of the jobs done (tests, logs)."""
+        return {kind: s.copy_calls for kind, s in self.stats.items()}
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        """Blocks moved per direction, by the jobs done."""
+        return {kind: s.blocks for kind, s in self.stats.items()}
 
     # -- the OffloadingWorker interface ---------------------------------------
     def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
@@ -197,7 +197,7 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 "shutdown; host memory left in place"
             )
             return
-        self.host = self._flat = None
+        self.host = self.host_blocks = None
         if self._release is not None:
             release, self._release = self._release, None
             release()
@@ -226,24 +226,9 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         self._jobs.put((job_id, kind, torch.from_numpy(ids), torch.from_numpy(rows)))
         return True
 
-    def _move(self, kind: str, ids: torch.Tensor, rows: torch.Tensor) -> int:
-        """Cache blocks ``ids`` <-> host places ``rows``; copy_ calls made.
-
-        Block ``j`` of a chunk, tensor ``t``: ``j`` pages into that tensor's
-        part of the chunk (its ``blocks_per_chunk`` pages, back to back)."""
-        move = gather if kind == "store" else scatter
-        if self._flat is not None:
-            return move(self._parts[0].table, ids, self._flat, "dma", rows)
-        per, copies = self.blocks_per_chunk, 0
-        chunks = rows // per
-        for chunk in chunks.unique().tolist():
-            mine = chunks == chunk
-            blocks, places = ids[mine], rows[mine] % per
-            row = self.host[chunk]
-            for part in self._parts:
-                host = row[part.offset : part.offset + part.size]
-                copies += move(part.table, blocks, host, "dma", places)
-        return copies
+    def _move(self, kind: str, ids: torch.Tensor, rows: torch.Tensor) -> TransferStats:
+        """One attempt: cache blocks ``ids`` <-> host places ``rows``."""
+        return self.host_blocks.copy(ids, rows, kind == "store")
 
     def _run(self) -> None:
         """Transfers in submission order; one that raises is redone, then
@@ -273,7 +258,7 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         tries = 1 + TRANSFER_RETRIES
         for attempt in range(1, tries + 1):
             try:
-                self.copies[kind] += self._move(kind, ids, rows)
+                done = self._move(kind, ids, rows)
             except Exception as e:  # noqa: BLE001 - redone, then failed alone
                 if attempt < tries:
                     self.retries[kind] += 1
@@ -303,7 +288,7 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                     else "its blocks are not marked stored",
                 )
                 return False
-            self.blocks[kind] += len(ids)
+            self.stats[kind].add(done)
             return True
         return False
 
@@ -339,14 +324,6 @@ def _log_load_failure_policy() -> None:
             "scheduler's kv_load_failure_policy decides",
             tries,
         )
-
-
-class _Part(NamedTuple):
-    """One KV tensor's blocks and its part of every chunk."""
-
-    table: BlockTable  # where its blocks live in the KV cache
-    offset: int  # bytes into a chunk
-    size: int  # bytes: blocks_per_chunk pages
 
 
 def _allocate(num_chunks: int) -> Callable[[int], torch.Tensor]:
