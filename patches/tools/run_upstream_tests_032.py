@@ -9,7 +9,8 @@ The tests of the modules the v0_32 set patches or plugs into (``SELECT``:
 ``tests/engine/test_arg_utils.py``) come from the cached sdist
 (``fetch_sdist.py --version 0.32.0``), extracted into a temporary tree
 that is the working directory, rootdir and ``PYTHONPATH`` (with an ini of
-its own: no configuration of this project is read).  They run against the
+its own and without ``PYTEST_ADDOPTS``: no configuration of this project is
+read).  They run against the
 installed vLLM of the 0.32 harness (``--python``, default
 ``$OVERLAY_VENV_0_32/bin/python``, else ``.venv-0.32/bin/python``), twice:
 with ``VLLM_OVERLAY_DISABLE=1`` (stock) and without (the overlay).  In both
@@ -46,13 +47,14 @@ and the two engine tests on a model's weights.
 Measured on a 2-core machine shared with other test runs
 (``python patches/tools/run_upstream_tests_032.py --python
 .venv-0.32/bin/python``): 1042 tests a run, 1032 passed and 10 skipped in
-both; both runs at once in 206 s wall (load average 6-10) with vLLM's
-model-info cache warm, 88 s of CPU; 209 s wall (load average 1.3 rising
-to 6) with it empty (``VLLM_CACHE_ROOT``, as on a fresh machine: the
-scheduler and arg_utils tests inspect OPT and Qwen3 in subprocesses),
-137 s of CPU.  About 80 s of each run's wall is vLLM's and the tests'
-imports.  Before the cache of model configs and the lighter cleanup: 1044
-tests a run, 903 passed, 10 skipped, 131 failed, 1270 s wall.
+both.  Both runs at once, with vLLM's model-info cache warm: 136 s wall
+(load average 3.4-4.9) and 206 s (6-10), 81-88 s of CPU.  With it empty
+(``VLLM_CACHE_ROOT``, as on a fresh machine: the scheduler and arg_utils
+tests inspect OPT and Qwen3 in subprocesses): 209 s wall (load average
+1.3 rising to 6), 137 s of CPU.  About 80 s of each run's wall under load
+is vLLM's and the tests' imports.  Before the cache of model configs and
+the lighter cleanup: 1044 tests a run, 903 passed, 10 skipped, 131 failed,
+1270 s wall.
 
 Each test's outcome (passed, failed, error, skipped) is recorded by a
 small plugin in the tree; the two runs must agree test by test.  Printed:
@@ -125,6 +127,12 @@ MARKERS = [
     "distributed",
     "optional",
 ]
+DROPPED_ENV = (
+    "PYTHONSTARTUP",
+    "PYTEST_ADDOPTS",
+    "VLLM_PLUGINS",
+    "VLLM_OVERLAY_SKIP_PATCHES",
+)
 ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -281,23 +289,31 @@ def build_tree(tree: pathlib.Path, version: str, python: pathlib.Path) -> None:
     (tree / "pytest.ini").write_text(f"[pytest]\nmarkers =\n{lines}")
 
 
-def start(tree, python, overlay: bool, pytest_args: list[str]):
-    """Start one run (stock or the overlay) of the tests; see ``finish``."""
-    kind = "overlay" if overlay else "stock"
-    env = dict(os.environ)
+def run_env(tree: pathlib.Path, kind: str, environ: dict) -> dict:
+    """The environment of one run (KIND: stock or overlay) from ENVIRON."""
+    env = dict(environ)
     for name, value in ENV_DEFAULTS.items():
         env.setdefault(name, value)
-    for name in ("PYTHONSTARTUP", "VLLM_PLUGINS", "VLLM_OVERLAY_SKIP_PATCHES"):
+    # PYTEST_ADDOPTS: this project's pytest options (tox's [testenv] gives
+    # each env's --junitxml, which both runs would overwrite at once)
+    for name in DROPPED_ENV:
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(tree / "_shim")])
     env["HF_HUB_CACHE"] = str(tree / "hf-hub")
     env["OUTCOMES"] = str(tree / f"outcomes-{kind}.json")
     env["TMPDIR"] = str(tree / f"tmp-{kind}")
-    os.makedirs(env["TMPDIR"])
-    if overlay:
+    if kind == "overlay":
         env.pop("VLLM_OVERLAY_DISABLE", None)
     else:
         env["VLLM_OVERLAY_DISABLE"] = "1"
+    return env
+
+
+def start(tree, python, overlay: bool, pytest_args: list[str]):
+    """Start one run (stock or the overlay) of the tests; see ``finish``."""
+    kind = "overlay" if overlay else "stock"
+    env = run_env(tree, kind, dict(os.environ))
+    os.makedirs(env["TMPDIR"])
     command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     command += ["-p", "_outcomes", "-c", str(tree / "pytest.ini")]
     command += ["--rootdir", str(tree), "--basetemp", str(tree / f".pytest-{kind}")]

@@ -184,3 +184,24 @@ def test_the_plugin_records_outcomes_and_skips_only_the_full_collection(tmp_path
     # full collection; upstream's full cleanup never
     light = ["envs cache", "model parallel", "distributed"]
     assert calls.read_text().split("\n")[:-1] == ["plugins", *light * 2]
+
+
+def test_each_run_reads_no_configuration_of_this_project(tmp_path):
+    environ = {
+        "PATH": "/bin",
+        "PYTEST_ADDOPTS": "--junitxml=.tox/reports/patches.xml",
+        "VLLM_OVERLAY_SKIP_PATCHES": "OF32-02",
+        "VLLM_OVERLAY_DISABLE": "1",
+        "HF_HUB_OFFLINE": "0",
+    }
+    stock = runner.run_env(tmp_path, "stock", environ)
+    overlay = runner.run_env(tmp_path, "overlay", environ)
+    for env in (stock, overlay):
+        assert "PYTEST_ADDOPTS" not in env and "VLLM_OVERLAY_SKIP_PATCHES" not in env
+        assert env["HF_HUB_CACHE"] == str(tmp_path / "hf-hub")
+        assert env["HF_HUB_OFFLINE"] == "0"  # given: kept
+        assert env["PATH"] == "/bin"
+    assert stock["VLLM_OVERLAY_DISABLE"] == "1"
+    assert "VLLM_OVERLAY_DISABLE" not in overlay
+    assert stock["OUTCOMES"] != overlay["OUTCOMES"]
+    assert environ["PYTEST_ADDOPTS"]  # the caller's environment is untouched
