@@ -58,6 +58,10 @@ def junit_counts(path: pathlib.Path) -> Counts:
         elif (skip := case.find("skipped")) is not None:
             counts.skipped += 1
             reason = skip.get("message") or (skip.text or "").strip()
+            # its first line (some reasons go on with a server's log)
+            reason = next((ln.strip() for ln in reason.splitlines() if ln.strip()), "")
+            if len(reason) > 200:
+                reason = reason[:199] + "…"
             counts.skips.append((test, reason))
         else:
             counts.passed += 1

@@ -29,7 +29,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
   <skipped type="pytest.skip" message="needs a GPU">test_b.py:9: needs a GPU</skipped>
 </testcase>
 <testcase classname="tests.unit.test_b" name="test_tls[valkey]" time="0.0">
-  <skipped type="pytest.skip" message="this valkey-server has no TLS">x</skipped>
+  <skipped type="pytest.skip"
+   message="this valkey-server has no TLS&#10;1:M log">x</skipped>
 </testcase>
 </testsuite></testsuites>
 """
