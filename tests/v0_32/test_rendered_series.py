@@ -42,8 +42,12 @@ def tree(tmp_path_factory) -> pathlib.Path:
     if sdist is None:
         try:
             sdist = fetch_sdist.fetch(REFERENCE)
-        except Exception as exc:  # no network: nothing to render against
-            pytest.skip(f"the vLLM {REFERENCE} sdist is not at hand ({exc})")
+        except Exception as exc:  # no network: a set-up gap, not a skip
+            pytest.fail(
+                f"the vLLM {REFERENCE} sdist is not at hand ({exc}); run python "
+                f"patches/tools/fetch_sdist.py --version {REFERENCE}",
+                pytrace=False,
+            )
     tmp = tmp_path_factory.mktemp("rendered")
     root = check_upstream.extract(sdist, tmp / "sdist")
     staged = stage_latest.stage(root, latest_verify.Ruff(root, install=False))

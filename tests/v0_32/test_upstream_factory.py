@@ -128,7 +128,11 @@ def _outcomes(report: str) -> dict[str, str]:
 def test_upstream_test_factory_gives_the_same_results_with_the_overlay(tmp_path):
     sdist = fetch_sdist.cache_dir() / "vllm-0.32.0.tar.gz"
     if not sdist.is_file():
-        pytest.skip(f"no cached vLLM 0.32.0 sdist ({sdist}): fetch_sdist.py")
+        pytest.fail(
+            f"no cached vLLM 0.32.0 sdist ({sdist}); run python "
+            "patches/tools/fetch_sdist.py --version 0.32.0",
+            pytrace=False,
+        )
     with tarfile.open(sdist) as tar:
         member = tar.getmember(f"vllm-0.32.0/{UPSTREAM_TEST}")
         text = tar.extractfile(member).read()
