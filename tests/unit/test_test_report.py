@@ -144,3 +144,22 @@ def test_cli_prints_the_table_and_no_skips_line(tmp_path):
 
 def test_no_result_json_is_an_error(tmp_path):
     assert test_report.main(["--reports", str(tmp_path)]) == 1
+
+
+def test_every_file_and_test_quick_names_exists():
+    """--quick names files and tests by path: one renamed or merged away
+    must be renamed here too, not left out (or run) unnoticed."""
+    import re
+
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    files = set(re.findall(r"tests/[\w/]+\.py", script))
+    assert "tests/e2e/test_cross_layer_e2e.py" in files
+    assert "tests/v0_32/test_cross_layer_cpu.py" in files
+    for name in files:
+        assert (ROOT / name).is_file(), name
+    for path, test in re.findall(r"--deselect=(tests/[\w/]+\.py)::(\w+)", script):
+        assert f"def {test}(" in (ROOT / path).read_text(), (path, test)
+    e2e = (ROOT / "tests/e2e/test_cross_layer_e2e.py").read_text()
+    assert "def test_cross_layer_tokens_equal_stock(" in e2e and '"float32"' in e2e
+    v032 = (ROOT / "tests/v0_32/test_cross_layer_cpu.py").read_text()
+    assert "def test_blhnc_is_one_buffer_with_blocks_outermost(" in v032
