@@ -7,7 +7,8 @@ request per line on stdin, JSON:
 
     {"script": PATH, "argv": [...], "env": {...}, "log": PATH, "deadline_s": S}
 
-and answers one line, JSON ``{"rc": N}``, once that run is over.  Each
+and answers one line, JSON ``{"rc": N}``, once that run is over (its
+stdout carries only the answers; its own logs go to stderr).  Each
 run's child starts a session of its own (its engine's processes with it),
 takes ``env`` as its whole environment (read by vLLM and the overlay when
 the engine starts and the overlay registers), writes its stdout and stderr
@@ -84,19 +85,26 @@ def wait(pid: int, deadline_s: float) -> int:
 
 
 def main() -> None:
+    # The answers go to the stdout this process was given; whatever else
+    # prints (vLLM logs to stdout) goes to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     import vllm  # noqa: F401 - the bulk of a runner's start-up
     import vllm.engine.arg_utils  # noqa: F401
 
-    print(json.dumps({"ready": True}), flush=True)
+    answers.write(json.dumps({"ready": True}) + "\n")
+    answers.flush()
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            answers.close()
             child(request)
         rc = wait(pid, float(request["deadline_s"]))
-        print(json.dumps({"rc": rc}), flush=True)
+        answers.write(json.dumps({"rc": rc}) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":
