@@ -24,7 +24,9 @@ HERE = pathlib.Path(__file__).parent
 ZYGOTE = HERE.parent / "support" / "run_zygote.py"
 DEADLINE_S = 300
 # Runner scripts (by path) run in a forked child; each was checked to give
-# the results and logs of its own process.
+# the results and logs of its own process.  What a run leaves running is
+# killed with it: a process meant to outlive the run starts a session of
+# its own (run_pool.py's restarted server).
 FORKED = {
     str(HERE.parent / "v0_32" / name)
     for name in (
@@ -32,6 +34,19 @@ FORKED = {
         "run_pp.py",
         "run_pressure.py",
         "run_refusals.py",
+    )
+} | {
+    str(HERE / name)
+    for name in (
+        "run_llm.py",
+        "run_pp.py",
+        "run_pool.py",
+        "run_multi.py",
+        "run_pool_badbytes.py",
+        "run_pressure.py",
+        "run_sched_scenarios.py",
+        "run_pp_connectors.py",
+        "run_mla.py",
     )
 }
 
@@ -56,15 +71,20 @@ def _forked_run(script: str, argv: list[str], env: dict, log: pathlib.Path) -> i
     """The run's exit status: run_zygote.py forks it (started on first use)."""
     global _zygote
     if _zygote is None or _zygote.poll() is not None:
-        _zygote = subprocess.Popen(
-            [sys.executable, str(ZYGOTE)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        errors = pathlib.Path(tempfile.gettempdir()) / "run_zygote.log"
+        with open(errors, "a") as zygote_log:  # the child keeps its own copy
+            _zygote = subprocess.Popen(
+                [sys.executable, str(ZYGOTE)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=zygote_log,
+                text=True,
+            )
         atexit.register(_stop_zygote)
         ready = _zygote.stdout.readline()
-        assert ready.strip() == '{"ready": true}', f"run_zygote.py: {ready!r}"
+        if ready.strip() != '{"ready": true}':
+            _stop_zygote()
+            raise AssertionError(f"run_zygote.py did not start (see {errors})")
     request = {
         "script": script,
         "argv": argv,
@@ -75,7 +95,7 @@ def _forked_run(script: str, argv: list[str], env: dict, log: pathlib.Path) -> i
     _zygote.stdin.write(json.dumps(request) + "\n")
     _zygote.stdin.flush()
     answer = _zygote.stdout.readline()
-    assert answer, "run_zygote.py exited"
+    assert answer, "run_zygote.py exited (see run_zygote.log in the session's TMPDIR)"
     return json.loads(answer)["rc"]
 
 

@@ -83,10 +83,11 @@ def main(config: dict) -> dict:
         passes.append(run("other"))
     if config.get("restart"):
         port, workdir, kind = config["restart"]
-        subprocess.Popen(
+        subprocess.Popen(  # outlives this run: the test shuts it down
             server_command(port, workdir, kind),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # not in the run's session (run_zygote.py)
         )
         time.sleep(1.0)  # server up, back-off (<= 0.5 s) expired
         passes.append(run("third"))
