@@ -118,14 +118,14 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "a block as one run (cross-layer blocks) or one run per layer and\n"
             "K/V. A cross-layer block moves with one copy instead of\n"
             "2 x num_layers.",
-            ["0001", "0002", "0003", "0004", "0005", "0006", "0010"],
+            ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0011"],
         ),
         (
             "[KVConnector] Offloading connector over cross-layer blocks",
             "An offloading connector (GPU <-> host) that prefers cross-layer\n"
             "blocks and moves each block with the kernels above; registered\n"
             "in the connector and offloading-spec factories.",
-            ["0007", "0008", "0009", "0011"],
+            ["0008", "0009", "0010", "0012"],
         ),
     ],
     "shared-pool": [
@@ -138,7 +138,7 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "run on background threads, each job with a deadline: a bounded\n"
             "RESP reader, cluster-aware raw pipelines, health gates with\n"
             "back-off and a watchdog, one rate-limited logger.",
-            [f"{i:04d}" for i in range(1, 17)],
+            [f"{i:04d}" for i in range(1, 19)],
         ),
         (
             "[KVConnector] SharedKVPoolConnector: share KV blocks across nodes",
@@ -150,7 +150,7 @@ COMMITS: dict[str, list[tuple[str, str, list[str]]]] = {
             "its blocks until the load has landed. On CPU, values are read\n"
             "from the socket straight into their KV blocks.\n\n"
             "Semantics of PR #16159, reworked.",
-            [f"{i:04d}" for i in range(17, 25)],
+            [f"{i:04d}" for i in range(19, 27)],
         ),
     ],
     "pp-kv-budget": [
