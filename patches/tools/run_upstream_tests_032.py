@@ -198,8 +198,10 @@ def pytest_runtest_logreport(report):
 # facebook/opt-125m (its config.json); offline, EngineArgs resolves any
 # model name (test_arg_utils.py: "dummy", "m", "test", the default
 # Qwen/Qwen3-0.6B) to a snapshot folder, and create_engine_config reads the
-# default model's config.json.  Each config holds the architecture and sizes
-# of the published model; no test here reads weights or a tokenizer.
+# default model's config.json.  Each config is written here by hand, not
+# downloaded (no model hub here): the published model's architecture and
+# sizes as we know them, not checked against the published file; the tests
+# read the architecture and a few sizes, no weights, no tokenizer.
 OPT_125M = {
     "architectures": ["OPTForCausalLM"],
     "model_type": "opt",
