@@ -11,6 +11,7 @@ import time
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+from support.log_records import LogRecords as _Records  # noqa: E402
 from support.redis_server import redis_server  # noqa: E402
 
 from vllm_overlay.core.pool import codec  # noqa: E402
@@ -312,15 +313,6 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def test_lookup_only_pool_starts_no_io_threads():

@@ -16,6 +16,7 @@ import sys
 import redis
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from support.log_records import LogRecords as _Records  # noqa: E402
 from support.redis_server import redis_server  # noqa: E402
 from unit.test_pool_liveness import _pool  # noqa: E402
 
@@ -31,15 +32,6 @@ from vllm_overlay.core.pool.refusals import (  # noqa: E402
 NS = b"n" * 16
 LAYOUT = codec.layout_tag("summary test")
 PAYLOAD = bytes(range(64))
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 def _values(keys):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+from support.log_records import LogRecords  # noqa: E402
 from support.redis_server import redis_server  # noqa: E402
 
 # Imported first: importing vLLM configures its loggers, and a handler a
@@ -33,14 +34,7 @@ LAYOUT = codec.layout_tag("cross-layer|test")
 SECRET = "correct horse battery staple 42"
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
+class _Records(LogRecords):
     def at_level(self, *args, **kwargs):
         import contextlib
 
