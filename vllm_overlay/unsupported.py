@@ -103,6 +103,9 @@ def install() -> None:
     """Install every refusal this vLLM allows; one that cannot be installed
     (an extension point gone in this vLLM) is logged, the others still
     apply, and stock vLLM still runs."""
+    from vllm_overlay.startup_errors import install_hook
+
+    install_hook()  # an uncaught refusal prints as its one line
     for step in (_register_names, _guard_engine_config, _guard_cli_flag):
         try:
             step()

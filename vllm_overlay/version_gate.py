@@ -121,7 +121,9 @@ FEATURE_RELEASES: dict[str, tuple[str, ...]] = {
 
 
 class UnsupportedVLLMVersion(RuntimeError):
-    pass
+    # A startup refusal: printed as its one line, without a traceback, when
+    # nothing catches it (startup_errors.install_hook).
+    one_line_startup_error = True
 
 
 def _parse(entry: str) -> tuple[tuple[int, ...], bool]:
@@ -184,6 +186,33 @@ def installed_vllm_version() -> str | None:
     return getattr(vllm, "__version__", None)
 
 
+def _newer_than_supported(version: str | None) -> bool:
+    """VERSION is a release newer than every supported one (0.33 while the
+    newest is 0.32.x)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version or "").release
+    except InvalidVersion:
+        return False
+    newest = max(_parse(entry)[0] for entry in SUPPORTED_RELEASES)
+    return release[: len(newest)] > newest
+
+
+def instead_text(features: list[str], version: str | None) -> str:
+    """`` On vLLM VERSION use ...`` for what does the job of the refused
+    FEATURES on VERSION (``features.instead``), or ``""``."""
+    from vllm_overlay.features import instead
+
+    entry = release_entry(version)
+    if entry is not None:
+        patch_set = RELEASES[entry]
+    else:
+        patch_set = "newer" if _newer_than_supported(version) else None
+    ways = instead(features, patch_set)
+    return f" On vLLM {version} use {'; and '.join(ways)}." if ways else ""
+
+
 def unsupported_message(version: str | None) -> str:
     from vllm_overlay import __version__
 
@@ -207,12 +236,14 @@ def unsupported_error(
         return UnsupportedVLLMVersion(
             f"{', '.join(features)}: {what} on vLLM {where} only; found vLLM "
             f"{version}, where the overlay adds only what upstream lacks "
-            f"(vllm_overlay/patches/{patch_set}; PATCHES.md). Install vLLM "
+            f"(vllm_overlay/patches/{patch_set}; PATCHES.md)."
+            f"{instead_text(features, version)} Install vLLM "
             f"{where}, or remove {them}."
         )
     return UnsupportedVLLMVersion(
         f"{unsupported_message(version)}. This configuration uses the overlay, "
-        f"which does not run on it: {', '.join(features)}. Install vLLM "
+        f"which does not run on it: {', '.join(features)}."
+        f"{instead_text(features, version)} Install vLLM "
         f"{supported_text()}, or remove {them} to run stock vLLM."
     )
 
@@ -333,6 +364,24 @@ def kv_transfer_features(kv_transfer_config) -> list[str]:
     return found
 
 
+def pool_tier_features(kv_transfer_config) -> list[str]:
+    """The overlay's pool tier in an OffloadingConnector's
+    ``secondary_tiers`` (MultiConnector's nested connectors included)."""
+    if kv_transfer_config is None:
+        return []
+    extra = _field(kv_transfer_config, "kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        return []
+    found = [
+        f"kv_connector_extra_config secondary_tiers module_path {tier['module_path']!r}"
+        for tier in extra.get("secondary_tiers") or []
+        if isinstance(tier, dict) and _ours(tier.get("module_path"))
+    ]
+    for nested in extra.get("connectors") or []:
+        found += pool_tier_features(nested)
+    return found
+
+
 def pp_features(engine_args) -> list[str]:
     from vllm_overlay.integration import pp_kv
 
@@ -355,9 +404,11 @@ def engine_features(engine_args) -> list[str]:
 def engine_refusal(engine_args, version: str | None) -> UnsupportedVLLMVersion | None:
     """The startup error for the overlay features ``engine_args`` configures
     that do not run on ``version`` (None: none)."""
+    kv_transfer_config = _field(engine_args, "kv_transfer_config")
     groups = {
-        "connectors": kv_transfer_features(_field(engine_args, "kv_transfer_config")),
+        "connectors": kv_transfer_features(kv_transfer_config),
         "pp_prop_kv_cache": pp_features(engine_args),
+        "pool_tier": pool_tier_features(kv_transfer_config),
     }
     refused = [
         (family, found)
