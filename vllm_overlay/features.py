@@ -89,6 +89,10 @@ FEATURES: dict[str, tuple[Feature, ...]] = {
     ),
 }
 
+_UPSTREAM_PP = (
+    "upstream's own stage sizing (every stage gets the smallest stage's "
+    "block count, no flag): drop the flag"
+)
 # What was configured (a name in the refusal's text) -> on a release of
 # this patch set, what does its job (None: nothing does).
 _INSTEAD: dict[str, dict[str, str]] = {
@@ -133,14 +137,8 @@ _INSTEAD: dict[str, dict[str, str]] = {
         "CrossLayerProbeConnector": (
             "upstream's cross-layer blocks (OffloadingConnector asks for them)"
         ),
-        "enable-pp-prop-kv-cache": (
-            "no flag: upstream sizes every stage to the smallest stage's "
-            "block count; drop the flag"
-        ),
-        "enable_pp_prop_kv_cache": (
-            "no flag: upstream sizes every stage to the smallest stage's "
-            "block count; drop the flag"
-        ),
+        "enable-pp-prop-kv-cache": _UPSTREAM_PP,
+        "enable_pp_prop_kv_cache": _UPSTREAM_PP,
     },
 }
 
