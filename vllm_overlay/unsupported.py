@@ -6,9 +6,12 @@ On an unsupported vLLM nothing of vLLM is patched and a configuration
 without overlay features runs stock vLLM.  A configuration that asks for
 the overlay must not run stock vLLM silently, nor run the overlay's
 connectors against vLLM internals they were not written for: it gets one
-startup error naming the supported versions
-(``version_gate.unsupported_error``).  Each refusal sits on one of vLLM's
-public extension points:
+startup error naming the supported versions and, where something on this
+release does the same job, that (``version_gate.unsupported_error``,
+``features.instead``: on 0.32, upstream's ``OffloadingConnector`` with
+``cpu_bytes_to_use``, or the pool tier).  Uncaught, it prints as that one
+line (``startup_errors``).  Each refusal sits on one of vLLM's public
+extension points:
 
 - the overlay's connector and offloading-spec names are registered with
   vLLM's factories (the plugin API) and resolve to this module.  A

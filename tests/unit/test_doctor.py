@@ -281,3 +281,13 @@ def test_install_line_is_dist_repairs_finding():
     lines = [ln for ln in report if ln.startswith("install ")]
     expected = found or ["no problem found (vLLM's metadata, torch's add-ons)"]
     assert lines == [f"install      {line}" for line in expected]
+
+
+def test_the_readmes_turn_on_lines_are_doctors():
+    """The README's first screen and doctor give the same command lines
+    (features.FEATURES is their one source)."""
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    hows = [f.how for f in FEATURES["v0_32"] if f.how.startswith("--")]
+    assert len(hows) == 3  # host offloading, the pool, the PP budget
+    for how in hows:
+        assert f"vllm serve MODEL {how}" in readme, how
