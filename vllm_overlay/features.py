@@ -119,6 +119,10 @@ _INSTEAD: dict[str, dict[str, str]] = {
         ),
     },
     "v0_11_2": {
+        "VLLM_KV_CACHE_LAYOUT": (
+            "cross-layer blocks through a connector that asks for them "
+            f"(VLLM_KV_CACHE_LAYOUT unset), e.g. {HOST_OFFLOAD_0112}"
+        ),
         POOL_TIER_MODULE: (
             "the overlay's SharedKVPoolConnector (host memory in front: a "
             f"MultiConnector with OverlayOffloadingConnector first): {POOL_0112}"

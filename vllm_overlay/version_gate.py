@@ -117,7 +117,12 @@ FEATURE_RELEASES: dict[str, tuple[str, ...]] = {
     "connectors": ("0.11.2",),  # CONNECTORS, OFFLOADING_SPECS
     "pp_prop_kv_cache": ("0.11.2", "0.32.x"),  # --enable-pp-prop-kv-cache
     "pool_tier": ("0.32.x",),  # integration/v0_32/pool_tier (SharedPoolTier)
+    # VLLM_KV_CACHE_LAYOUT=BLHNC...: upstream's cross-layer switch on 0.32
+    # (CPU_ATTN takes it through CL32-01); 0.11.2 knows NHD and HND only
+    "kv_cache_layout": ("0.32.x",),
 }
+# vLLM 0.32's blocks-outermost layouts (vllm/v1/kv_cache_layout.py).
+CROSS_LAYER_LAYOUTS = ("BLHNC", "BLNHC", "BHLNC")
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -382,6 +387,18 @@ def pool_tier_features(kv_transfer_config) -> list[str]:
     return found
 
 
+def layout_features(patch_set: str | None) -> list[str]:
+    """``VLLM_KV_CACHE_LAYOUT`` set to 0.32's cross-layer switch on a release
+    of the 0.11.2 set (which fails on it only when an attention backend
+    reads it, naming NHD and HND)."""
+    import os
+
+    value = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    if patch_set == "v0_11_2" and value in CROSS_LAYER_LAYOUTS:
+        return [f"VLLM_KV_CACHE_LAYOUT={value}"]
+    return []
+
+
 def pp_features(engine_args) -> list[str]:
     from vllm_overlay.integration import pp_kv
 
@@ -409,6 +426,7 @@ def engine_refusal(engine_args, version: str | None) -> UnsupportedVLLMVersion |
         "connectors": kv_transfer_features(kv_transfer_config),
         "pp_prop_kv_cache": pp_features(engine_args),
         "pool_tier": pool_tier_features(kv_transfer_config),
+        "kv_cache_layout": layout_features(RELEASES.get(release_entry(version))),
     }
     refused = [
         (family, found)

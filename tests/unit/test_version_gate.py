@@ -539,3 +539,18 @@ def test_a_release_newer_than_supported_gets_upstreams_way():
     # An older unsupported release: nothing named (nothing known to work).
     older = str(version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0"))
     assert " use " not in older
+
+
+def test_0_32s_layout_switch_on_0_11_2_names_the_0_11_2_way(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
+    message = str(version_gate.engine_refusal({}, "0.11.2"))
+    assert message.startswith(
+        "VLLM_KV_CACHE_LAYOUT=BLHNC: this overlay feature runs on vLLM 0.32.x "
+        "only; found vLLM 0.11.2"
+    )
+    assert _config_in(message)["kv_connector"] == "OverlayOffloadingConnector"
+    # Upstream's switch where it exists; left to vLLM where nothing runs.
+    assert version_gate.engine_refusal({}, "0.32.0") is None
+    assert version_gate.engine_refusal({}, "0.12.0") is None
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
+    assert version_gate.engine_refusal({}, "0.11.2") is None
