@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from vllm_overlay.configured import _field, _ours, engine_refusal, pp_features
 from vllm_overlay.core.patching import (
     REGISTRY,
     PatchState,
@@ -28,11 +29,7 @@ from vllm_overlay.core.patching import (
 from vllm_overlay.version_gate import (
     CONNECTORS,
     OFFLOADING_SPECS,
-    _field,
-    _ours,
-    engine_refusal,
     installed_vllm_version,
-    pp_features,
     supported_text,
 )
 

@@ -38,11 +38,11 @@ import contextlib
 import functools
 import logging
 
+from vllm_overlay.configured import engine_refusal
 from vllm_overlay.version_gate import (
     CONNECTORS,
     FEATURE_RELEASES,
     OFFLOADING_SPECS,
-    engine_refusal,
     feature_runs_on,
     installed_vllm_version,
     listed,

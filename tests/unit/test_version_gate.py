@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from vllm_overlay import version_gate
+from vllm_overlay import configured, version_gate
 
 VERSION = "0.12.0"
 HEAD = (
@@ -514,7 +514,7 @@ def test_the_pool_tier_on_0_11_2_is_refused_naming_the_connector():
             ],
         },
     }
-    error = version_gate.engine_refusal({"kv_transfer_config": config}, "0.11.2")
+    error = configured.engine_refusal({"kv_transfer_config": config}, "0.11.2")
     message = str(error)
     assert "runs on vLLM 0.32.x only; found vLLM 0.11.2" in message
     assert _config_in(message)["kv_connector"] == "SharedKVPoolConnector"
@@ -523,8 +523,8 @@ def test_the_pool_tier_on_0_11_2_is_refused_naming_the_connector():
         "kv_connector": "MultiConnector",
         "kv_connector_extra_config": {"connectors": [config]},
     }
-    assert version_gate.engine_refusal({"kv_transfer_config": multi}, "0.11.2")
-    assert version_gate.engine_refusal({"kv_transfer_config": config}, "0.32.0") is None
+    assert configured.engine_refusal({"kv_transfer_config": multi}, "0.11.2")
+    assert configured.engine_refusal({"kv_transfer_config": config}, "0.32.0") is None
 
 
 def test_a_release_newer_than_supported_gets_upstreams_way():
@@ -543,14 +543,14 @@ def test_a_release_newer_than_supported_gets_upstreams_way():
 
 def test_0_32s_layout_switch_on_0_11_2_names_the_0_11_2_way(monkeypatch):
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
-    message = str(version_gate.engine_refusal({}, "0.11.2"))
+    message = str(configured.engine_refusal({}, "0.11.2"))
     assert message.startswith(
         "VLLM_KV_CACHE_LAYOUT=BLHNC: this overlay feature runs on vLLM 0.32.x "
         "only; found vLLM 0.11.2"
     )
     assert _config_in(message)["kv_connector"] == "OverlayOffloadingConnector"
     # Upstream's switch where it exists; left to vLLM where nothing runs.
-    assert version_gate.engine_refusal({}, "0.32.0") is None
-    assert version_gate.engine_refusal({}, "0.12.0") is None
+    assert configured.engine_refusal({}, "0.32.0") is None
+    assert configured.engine_refusal({}, "0.12.0") is None
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
-    assert version_gate.engine_refusal({}, "0.11.2") is None
+    assert configured.engine_refusal({}, "0.11.2") is None
