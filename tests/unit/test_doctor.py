@@ -291,3 +291,17 @@ def test_the_readmes_turn_on_lines_are_doctors():
     assert len(hows) == 3  # host offloading, the pool, the PP budget
     for how in hows:
         assert f"vllm serve MODEL {how}" in readme, how
+
+
+@pytest.mark.parametrize("entry", ["0.11.2", "0.32.x"])
+def test_patch_lines_align_whatever_the_ids_length(entry):
+    """0.32's set has an 8-character id (MLA32-01): every status and
+    target column still lines up."""
+    from vllm_overlay.doctor import _patches
+
+    lines: list[str] = []
+    assert _patches(lines, entry, deep=False, outcome="applied") == 0
+    patches = patch_lines(lines)  # asserts the alignment
+    assert list(patches) == [p.id for p in all_patches(entry)]
+    targets = {ln.index(" vllm.") for ln in lines if PATCH_LINE.match(ln)}
+    assert len(targets) == 1
