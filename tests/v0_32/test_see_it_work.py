@@ -155,10 +155,17 @@ class Recipe:
         self.ready: set[str] = set()
 
     def step(self, n: int, body: str) -> str:
+        """Step N's block, verbatim, in a shell that has what the earlier
+        steps exported (as in the one terminal a reader types them into)."""
         out_path = self.run / f"step-{n}.out"
+        state = self.run / "exported.sh"
+        script = (
+            f'if [ -f "{state}" ]; then . "{state}"; fi\n{body}\n'
+            f'export -p > "{state}"\n'
+        )
         with open(out_path, "w") as out:
             proc = subprocess.Popen(
-                ["bash", "-e", "-c", body],
+                ["bash", "-e", "-c", script],
                 cwd=ROOT,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
