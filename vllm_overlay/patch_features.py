@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from vllm_overlay.configured import _field, _ours, engine_refusal, pp_features
 from vllm_overlay.core.patching import (
     REGISTRY,
     PatchState,
@@ -28,10 +29,7 @@ from vllm_overlay.core.patching import (
 from vllm_overlay.version_gate import (
     CONNECTORS,
     OFFLOADING_SPECS,
-    _field,
-    _ours,
     installed_vllm_version,
-    pp_features,
     supported_text,
 )
 
@@ -41,7 +39,7 @@ _GUARD = "_vllm_overlay_patch_guard"
 
 
 class PatchNotApplied(RuntimeError):
-    pass
+    one_line_startup_error = True  # startup_errors: printed as its line
 
 
 def _connectors(kv_transfer_config) -> list[tuple[str, dict]]:
@@ -157,6 +155,11 @@ def _guard(arg_utils) -> None:
         return
 
     def create_engine_config(self, *args, **kwargs):
+        # What runs on another supported release only (e.g. the pool tier
+        # on 0.11.2), before vLLM builds anything from it.
+        error = engine_refusal(self, installed_vllm_version())
+        if error is not None:
+            raise error
         config = original(self, *args, **kwargs)
         error = refusal(config)
         if error is not None:
@@ -171,5 +174,9 @@ def _guard(arg_utils) -> None:
 def install() -> None:
     """Refuse, in the front end, a configuration whose feature's patch did
     not apply (when ``vllm.engine.arg_utils`` is imported, after the patch
-    set's own changes to it)."""
+    set's own changes to it), or that uses what runs on another supported
+    release only; an uncaught refusal prints as its one line."""
+    from vllm_overlay.startup_errors import install_hook
+
+    install_hook()
     when_imported("vllm.engine.arg_utils", _guard)

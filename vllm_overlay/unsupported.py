@@ -6,9 +6,12 @@ On an unsupported vLLM nothing of vLLM is patched and a configuration
 without overlay features runs stock vLLM.  A configuration that asks for
 the overlay must not run stock vLLM silently, nor run the overlay's
 connectors against vLLM internals they were not written for: it gets one
-startup error naming the supported versions
-(``version_gate.unsupported_error``).  Each refusal sits on one of vLLM's
-public extension points:
+startup error naming the supported versions and, where something on this
+release does the same job, that (``version_gate.unsupported_error``,
+``features.instead``: on 0.32, upstream's ``OffloadingConnector`` with
+``cpu_bytes_to_use``, or the pool tier).  Uncaught, it prints as that one
+line (``startup_errors``).  Each refusal sits on one of vLLM's public
+extension points:
 
 - the overlay's connector and offloading-spec names are registered with
   vLLM's factories (the plugin API) and resolve to this module.  A
@@ -35,11 +38,11 @@ import contextlib
 import functools
 import logging
 
+from vllm_overlay.configured import engine_refusal
 from vllm_overlay.version_gate import (
     CONNECTORS,
     FEATURE_RELEASES,
     OFFLOADING_SPECS,
-    engine_refusal,
     feature_runs_on,
     installed_vllm_version,
     listed,
@@ -103,6 +106,9 @@ def install() -> None:
     """Install every refusal this vLLM allows; one that cannot be installed
     (an extension point gone in this vLLM) is logged, the others still
     apply, and stock vLLM still runs."""
+    from vllm_overlay.startup_errors import install_hook
+
+    install_hook()  # an uncaught refusal prints as its one line
     for step in (_register_names, _guard_engine_config, _guard_cli_flag):
         try:
             step()

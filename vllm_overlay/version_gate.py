@@ -117,11 +117,18 @@ FEATURE_RELEASES: dict[str, tuple[str, ...]] = {
     "connectors": ("0.11.2",),  # CONNECTORS, OFFLOADING_SPECS
     "pp_prop_kv_cache": ("0.11.2", "0.32.x"),  # --enable-pp-prop-kv-cache
     "pool_tier": ("0.32.x",),  # integration/v0_32/pool_tier (SharedPoolTier)
+    # VLLM_KV_CACHE_LAYOUT=BLHNC...: upstream's cross-layer switch on 0.32
+    # (CPU_ATTN takes it through CL32-01); 0.11.2 knows NHD and HND only
+    "kv_cache_layout": ("0.32.x",),
 }
+# vLLM 0.32's blocks-outermost layouts (vllm/v1/kv_cache_layout.py).
+CROSS_LAYER_LAYOUTS = ("BLHNC", "BLNHC", "BHLNC")
 
 
 class UnsupportedVLLMVersion(RuntimeError):
-    pass
+    # A startup refusal: printed as its one line, without a traceback, when
+    # nothing catches it (startup_errors.install_hook).
+    one_line_startup_error = True
 
 
 def _parse(entry: str) -> tuple[tuple[int, ...], bool]:
@@ -184,6 +191,33 @@ def installed_vllm_version() -> str | None:
     return getattr(vllm, "__version__", None)
 
 
+def _newer_than_supported(version: str | None) -> bool:
+    """VERSION is a release newer than every supported one (0.33 while the
+    newest is 0.32.x)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version or "").release
+    except InvalidVersion:
+        return False
+    newest = max(_parse(entry)[0] for entry in SUPPORTED_RELEASES)
+    return release[: len(newest)] > newest
+
+
+def instead_text(features: list[str], version: str | None) -> str:
+    """`` On vLLM VERSION use ...`` for what does the job of the refused
+    FEATURES on VERSION (``features.instead``), or ``""``."""
+    from vllm_overlay.features import instead
+
+    entry = release_entry(version)
+    if entry is not None:
+        patch_set = RELEASES[entry]
+    else:
+        patch_set = "newer" if _newer_than_supported(version) else None
+    ways = instead(features, patch_set)
+    return f" On vLLM {version} use {'; and '.join(ways)}." if ways else ""
+
+
 def unsupported_message(version: str | None) -> str:
     from vllm_overlay import __version__
 
@@ -207,12 +241,14 @@ def unsupported_error(
         return UnsupportedVLLMVersion(
             f"{', '.join(features)}: {what} on vLLM {where} only; found vLLM "
             f"{version}, where the overlay adds only what upstream lacks "
-            f"(vllm_overlay/patches/{patch_set}; PATCHES.md). Install vLLM "
+            f"(vllm_overlay/patches/{patch_set}; PATCHES.md)."
+            f"{instead_text(features, version)} Install vLLM "
             f"{where}, or remove {them}."
         )
     return UnsupportedVLLMVersion(
         f"{unsupported_message(version)}. This configuration uses the overlay, "
-        f"which does not run on it: {', '.join(features)}. Install vLLM "
+        f"which does not run on it: {', '.join(features)}."
+        f"{instead_text(features, version)} Install vLLM "
         f"{supported_text()}, or remove {them} to run stock vLLM."
     )
 
@@ -294,77 +330,3 @@ def require_supported(*features: str) -> None:
     version = installed_vllm_version()
     if not is_supported_version(version):
         raise unsupported_error(list(features), version)
-
-
-def _ours(module_path) -> bool:
-    return isinstance(module_path, str) and (
-        module_path == "vllm_overlay" or module_path.startswith("vllm_overlay.")
-    )
-
-
-def _field(config, name: str):
-    if isinstance(config, dict):
-        return config.get(name)
-    return getattr(config, name, None)
-
-
-def kv_transfer_features(kv_transfer_config) -> list[str]:
-    """Overlay connectors and specs named in a ``KVTransferConfig`` (or its
-    dict form), MultiConnector's nested connectors included."""
-    if kv_transfer_config is None:
-        return []
-    found = []
-    name = _field(kv_transfer_config, "kv_connector")
-    path = _field(kv_transfer_config, "kv_connector_module_path")
-    extra = _field(kv_transfer_config, "kv_connector_extra_config") or {}
-    if name in CONNECTORS:
-        found.append(f"kv_connector {name!r}")
-    if _ours(path):
-        found.append(f"kv_connector_module_path {path!r}")
-    if isinstance(extra, dict):
-        spec = extra.get("spec_name")
-        if spec in OFFLOADING_SPECS:
-            found.append(f"kv_connector_extra_config spec_name {spec!r}")
-        spec_path = extra.get("spec_module_path")
-        if _ours(spec_path):
-            found.append(f"kv_connector_extra_config spec_module_path {spec_path!r}")
-        for nested in extra.get("connectors") or []:
-            found += kv_transfer_features(nested)
-    return found
-
-
-def pp_features(engine_args) -> list[str]:
-    from vllm_overlay.integration import pp_kv
-
-    additional = _field(engine_args, "additional_config")
-    if isinstance(additional, dict) and pp_kv.FLAG in additional:
-        return [
-            f"additional_config[{pp_kv.FLAG!r}] = {additional[pp_kv.FLAG]!r} "
-            f"({pp_kv.CLI_FLAG})"
-        ]
-    return []
-
-
-def engine_features(engine_args) -> list[str]:
-    """Overlay features configured in ``EngineArgs`` (or a ``VllmConfig``)."""
-    return kv_transfer_features(
-        _field(engine_args, "kv_transfer_config")
-    ) + pp_features(engine_args)
-
-
-def engine_refusal(engine_args, version: str | None) -> UnsupportedVLLMVersion | None:
-    """The startup error for the overlay features ``engine_args`` configures
-    that do not run on ``version`` (None: none)."""
-    groups = {
-        "connectors": kv_transfer_features(_field(engine_args, "kv_transfer_config")),
-        "pp_prop_kv_cache": pp_features(engine_args),
-    }
-    refused = [
-        (family, found)
-        for family, found in groups.items()
-        if found and not feature_runs_on(family, version)
-    ]
-    if not refused:
-        return None
-    features = [text for _, found in refused for text in found]
-    return unsupported_error(features, version, refused[0][0])

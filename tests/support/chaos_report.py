@@ -55,7 +55,7 @@ def compared_tokens(stock_result: dict) -> int:
     first near tie (stock's greedy token and the runner-up within
     ``TIE_MARGIN``), where the token itself, and so all after it, may
     differ with stock's own float32 drift between a recompute and a cache
-    hit (README, "What correct means here": up to 1e-5)."""
+    hit (docs/testing.md, "What correct means here": up to 1e-5)."""
     margins = stock_result.get("margins") or []
     return next(
         (i for i, m in enumerate(margins) if m is not None and m <= TIE_MARGIN),

@@ -329,7 +329,7 @@ def test_runner_hands_the_buffer_to_an_opted_in_connector(overlay, monkeypatch):
 
 
 def test_with_cl09_skipped_the_connector_gets_per_layer_caches(overlay, monkeypatch):
-    """VLLM_OVERLAY_SKIP_PATCHES=CL-09 (the README's switch to the stock
+    """VLLM_OVERLAY_SKIP_PATCHES=CL-09 (docs/operations.md's switch to the stock
     layout): CL-10 alone must pass stock's per-layer caches through."""
     runner, config = model_runner()
     assert not hasattr(runner, "cross_layers_kv_cache")

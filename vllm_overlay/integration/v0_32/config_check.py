@@ -27,8 +27,16 @@ from __future__ import annotations
 
 import os
 
-POOL_TIER_MODULE = "vllm_overlay.integration.v0_32.pool_tier"
-POOL_TIER_CLASS = "SharedPoolTier"
+from vllm_overlay.features import POOL_TIER_CLASS, POOL_TIER_MODULE
+
+
+class ConfigRefused(ValueError):
+    """A configuration refused here (its message: the key and the fix);
+    uncaught, it prints as that one line (``startup_errors``)."""
+
+    one_line_startup_error = True
+
+
 # Specs of upstream's OffloadingConnector that read cpu_bytes_to_use.
 HOST_MEMORY_SPECS = (None, "CPUOffloadingSpec", "TieringOffloadingSpec")
 # Keys upstream's SecondaryTierFactory takes out before it builds a tier.

@@ -47,11 +47,14 @@ def create_engine_config(self, *args, **kwargs):
     # runtime only: begin (the overlay's startup checks of vLLM 0.32's
     # offloading and CPU worker, integration/v0_32/config_check: not staged)
     if _in_v0_32_set():
-        from vllm_overlay.integration.v0_32.config_check import refusal
+        from vllm_overlay.integration.v0_32.config_check import (
+            ConfigRefused,
+            refusal,
+        )
 
         error = refusal(config)
         if error:
-            raise ValueError(error)  # one line: the key and the fix
+            raise ConfigRefused(error)  # one line: the key and the fix
     # runtime only: end
     from vllm_overlay.integration.pp_kv import (
         keep_explicit_budget,
