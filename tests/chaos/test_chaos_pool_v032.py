@@ -40,9 +40,7 @@ import sys
 import pytest
 
 if not importlib.metadata.version("vllm").startswith("0.32."):
-    pytest.skip(
-        "needs vLLM 0.32 (.venv-0.32: tox -e chaos_v0_32)", allow_module_level=True
-    )
+    pytest.fail("needs vLLM 0.32: run `tox -e chaos_v0_32` (.venv-0.32)", pytrace=False)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from support.chaos_cluster import HERE, Cluster  # noqa: E402

@@ -36,7 +36,11 @@ def _cpu_triton_needs_the_interpreter(request):
         and params.get("device") == "cpu"
         and os.environ.get("TRITON_INTERPRET") != "1"
     ):
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+        pytest.fail(
+            "Triton on CPU tensors needs TRITON_INTERPRET=1: run `tox -e kernels` "
+            "(it sets it) or `TRITON_INTERPRET=1 pytest tests/kernels`",
+            pytrace=False,
+        )
 
 
 def random_cache(

@@ -40,7 +40,11 @@ def layouts(device: str):
 def test_every_method_moves_the_dma_bytes(device, layout_name, method):
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if method == "triton" and device == "cpu" and not interpreted:
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+        pytest.fail(
+            "Triton on CPU tensors needs TRITON_INTERPRET=1: run `tox -e kernels` "
+            "(it sets it) or `TRITON_INTERPRET=1 pytest tests/kernels`",
+            pytrace=False,
+        )
     layout, tensors = layouts(device)[layout_name]
     places = torch.tensor([3, 0, 4, 5], dtype=torch.int64)
     blocks = torch.tensor([7, 2, 3, 4], dtype=torch.int64)

@@ -14,9 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
-aiohttp = pytest.importorskip("aiohttp")
-pytest.importorskip("prometheus_client")
-
+import prometheus_client  # noqa: E402, F401
 from aiohttp import web  # noqa: E402
 from checks import ideal_hits, pool_trouble  # noqa: E402
 from client import replay  # noqa: E402

@@ -120,7 +120,6 @@ def test_vllm_ruff_settings_pass(tmp_path):
     """ruff check and ruff format --check with vLLM's settings
     (generate.VLLM_RUFF), from a copy laid out as vLLM's repository root
     (tests/ first-party, as ruff finds it there)."""
-    pytest.importorskip("ruff")
     (tmp_path / "ruff.toml").write_text(_load("generate").VLLM_RUFF)
     shutil.copytree(
         UPSTREAM_TESTS / "tests",
