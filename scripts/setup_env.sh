@@ -16,7 +16,9 @@ command -v "$python" >/dev/null || python=python3
 # The vLLM sdists the tests compare against (scripts/harness/fetch_sdists.sh).
 fetch_sdists() { bash "$root/scripts/harness/fetch_sdists.sh" "$venv/bin/python"; }
 
-stamp_inputs=("$0" "$root/scripts/harness/"*.py "$root/requirements/"*.txt "$root/setup.py")
+# (dist_repair.py: the wheel fix runs it.)
+stamp_inputs=("$0" "$root/scripts/harness/"*.py "$root/requirements/"*.txt "$root/setup.py"
+  "$root/vllm_overlay/dist_repair.py")
 stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
 if [[ -f "$venv/.harness-stamp" && "$(cat "$venv/.harness-stamp")" == "$stamp" ]]; then
   fetch_sdists

