@@ -29,7 +29,7 @@ import pathlib
 import sys
 
 import pytest
-from conftest import run
+from conftest import run, shared_run
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 from tolerances import STOCK_FLOAT32_DRIFT_0_32, max_abs_diff  # noqa: E402
@@ -79,7 +79,10 @@ def test_upstream_offloading_runs_on_cpu(stock, layout, request):
     if layout == "LBHNC":  # (its first load attempt fails and is redone)
         r = request.getfixturevalue("faulty")
     else:
-        r = run("run_offload.py", {"connector": True}, VLLM_KV_CACHE_LAYOUT=layout)
+        # (test_rendered_series compares with the same run: made once)
+        r = shared_run(
+            "run_offload.py", {"connector": True}, VLLM_KV_CACHE_LAYOUT=layout
+        )
     info = r.result["after"]
     assert info["worker"] == "CPUPlatformOffloadingWorker"
     assert info["layout"] == layout

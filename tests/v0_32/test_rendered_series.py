@@ -67,7 +67,8 @@ def tree(tmp_path_factory) -> pathlib.Path:
 
 def test_the_rendered_series_runs_like_the_runtime_patches(tree):
     layout = {"VLLM_KV_CACHE_LAYOUT": "BLHNC"}
-    overlay = run("run_offload.py", {"connector": True}, **layout)
+    # test_offloading_cpu's BLHNC run (made once per session; only read)
+    overlay = shared_run("run_offload.py", {"connector": True}, **layout)
     rendered = run(
         "run_offload.py",
         {"connector": True},
