@@ -11,7 +11,7 @@ prompts: every row's tokens are compared with its own."""
 
 from __future__ import annotations
 
-from vllm_overlay.demo import report
+from vllm_overlay.demo import pool_row, report
 from vllm_overlay.demo.node import POOL_DEADLINE_S
 from vllm_overlay.testing import v0_32
 from vllm_overlay.testing.redis import missing_server
@@ -61,12 +61,7 @@ class Plan:
     def __init__(self, base: dict, pool: bool, stock_layout: bool) -> None:
         self.base = base
         self.stock_layout = stock_layout
-        self.pool_note = None
-        missing = missing_server() if pool else None
-        if missing:
-            self.pool_note = f"pool reload row skipped: {missing}"
-        elif not pool:
-            self.pool_note = "pool reload row skipped: --no-pool"
+        self.pool_note = pool_row.skip_note(pool, missing_server() if pool else None)
         self.notes = [self.pool_note] if self.pool_note else []
         self.main = {
             **base,
@@ -87,17 +82,7 @@ class Plan:
                 "passes": ["cold", "reload"],
             }
         if self.pool_note is None:
-            from vllm_overlay.testing.redis import (
-                DEFAULT_KIND,
-                redis_server,
-                server_binary,
-            )
-
-            url = stack.enter_context(redis_server())
-            self.notes.append(
-                f"pool server: a throwaway {DEFAULT_KIND} server at {url} "
-                f"({server_binary()})"
-            )
+            url = pool_row.start_server(stack, self.notes)
             pool = {
                 **self.base,
                 "connector": "pool",
