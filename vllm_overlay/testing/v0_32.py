@@ -7,6 +7,8 @@ tier's counters."""
 
 from __future__ import annotations
 
+from vllm_overlay.features import POOL_TIER_MODULE
+
 CPU_BYTES = 64 * 2**20  # host memory for offloaded KV (the tests' engines)
 
 # VLLM_KV_CACHE_LAYOUT: blocks outermost (one block of every layer is one
@@ -30,9 +32,6 @@ def offload_connector(cpu_bytes: int = CPU_BYTES, **extra):
         kv_role="kv_both",
         kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, **extra},
     )
-
-
-POOL_TIER_MODULE = "vllm_overlay.integration.v0_32.pool_tier"
 
 
 def pool_tier_connector(url: str, cpu_bytes: int = CPU_BYTES, **options):
