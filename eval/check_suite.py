@@ -38,39 +38,44 @@ def run_path(
     pool_url: str | None = None,
     break_layout: bool = False,
     timeout: int = 1200,
+    runner=None,
 ) -> dict:
-    """One path in a fresh process (this interpreter: its vLLM release);
-    returns run_eval.py's result."""
+    """One path in a process of its own (this interpreter: its vLLM
+    release); returns run_eval.py's result.  ``runner(script, argv, env,
+    log, timeout)``, when given, runs the process instead (the tests fork it
+    from a process that imported vLLM) and returns its exit status."""
     tmp = tempfile.TemporaryDirectory()
     out = pathlib.Path(tmp.name) / "result.json"
-    cmd = [
-        sys.executable,
-        str(HERE / "run_eval.py"),
-        "--config",
-        str(config_path),
-        "--path",
-        path,
-        "--out",
-        str(out),
-    ]
+    argv = ["--config", str(config_path), "--path", path, "--out", str(out)]
     if pool_url:
-        cmd += ["--pool-url", pool_url]
+        argv += ["--pool-url", pool_url]
     if break_layout:
-        cmd.append("--break-layout")
+        argv.append("--break-layout")
+    script = str(HERE / "run_eval.py")
     env = dict(os.environ)
     if path == "stock":
         env["VLLM_OVERLAY_DISABLE"] = "1"
     try:
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
-        )
+        if runner is None:
+            proc = subprocess.run(
+                [sys.executable, script, *argv],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=ROOT,
+            )
+            rc, log = proc.returncode, proc.stdout + proc.stderr
+        else:
+            log_path = pathlib.Path(tmp.name) / "run.log"
+            rc = runner(script, argv, env, log_path, timeout)
+            log = log_path.read_text(errors="replace") if log_path.exists() else ""
         text = out.read_text() if out.exists() else ""
     finally:
         tmp.cleanup()
-    if proc.returncode or not text:
+    if rc or not text:
         raise RuntimeError(
-            f"{' '.join(cmd)} failed (rc={proc.returncode}):"
-            f"\n{(proc.stdout + proc.stderr)[-6000:]}"
+            f"run_eval.py {' '.join(argv)} failed (rc={rc}):\n{log[-6000:]}"
         )
     return json.loads(text)
 

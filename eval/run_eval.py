@@ -230,9 +230,10 @@ def main() -> None:
         cpu_defaults()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    if args.path != "pp":  # in-process engine: deterministic on CPU
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    elif config.get("pp_layer_partition"):
+    # The engine core in this process (deterministic on CPU); PP's workers
+    # are processes of their own.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.path == "pp" and config.get("pp_layer_partition"):
         os.environ["VLLM_PP_LAYER_PARTITION"] = config["pp_layer_partition"]
     os.environ.update(layout_env(args.path, release_name))
     if args.break_layout:

@@ -3,14 +3,14 @@
 The runner scripts in ``FORKED`` run as forked children of one process
 that imported vLLM once per session (tests/support/run_zygote.py): a
 child starts as the script's own process would, with the run's
-environment, minus the import.  ``OVERLAY_TESTS_FORK=0`` runs every
-script as a process of its own; so does a run whose environment sets a
-variable Python reads only at start-up (``PYTHONPATH``).
+environment, minus the import (a run whose environment sets ``PYTHONPATH``
+forks from a zygote started with it).  ``OVERLAY_TESTS_FORK=0`` runs every
+script as a process of its own; so does a run whose environment sets
+another variable Python reads only at start-up (``PYTHON*``).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import pathlib
@@ -19,9 +19,9 @@ import sys
 import tempfile
 
 import pytest
+from support.zygote_client import forked_run
 
 HERE = pathlib.Path(__file__).parent
-ZYGOTE = HERE.parent / "support" / "run_zygote.py"
 DEADLINE_S = 300
 # Runner scripts (by path) run in a forked child; each was checked to give
 # the results and logs of its own process.  What a run leaves running is
@@ -30,15 +30,22 @@ DEADLINE_S = 300
 FORKED = {
     str(HERE.parent / "v0_32" / name)
     for name in (
+        "run_cases.py",
+        "run_front_end.py",
+        "run_idle.py",
+        "run_idle_lookup.py",
         "run_layout.py",
+        "run_offload.py",
         "run_pp.py",
         "run_pressure.py",
         "run_refusals.py",
+        "run_region_release.py",
     )
 } | {
     str(HERE / name)
     for name in (
         "run_llm.py",
+        "run_offload.py",
         "run_pp.py",
         "run_pool.py",
         "run_multi.py",
@@ -50,53 +57,13 @@ FORKED = {
     )
 }
 
-_zygote: subprocess.Popen | None = None
-
 
 def _forks(script: str, env: dict[str, str]) -> bool:
     return (
         os.environ.get("OVERLAY_TESTS_FORK", "1") != "0"
         and script in FORKED
-        and not any(name.startswith("PYTHON") for name in env)
+        and not any(n.startswith("PYTHON") and n != "PYTHONPATH" for n in env)
     )
-
-
-def _stop_zygote() -> None:
-    if _zygote is not None and _zygote.poll() is None:
-        _zygote.kill()
-        _zygote.wait()
-
-
-def _forked_run(script: str, argv: list[str], env: dict, log: pathlib.Path) -> int:
-    """The run's exit status: run_zygote.py forks it (started on first use)."""
-    global _zygote
-    if _zygote is None or _zygote.poll() is not None:
-        errors = pathlib.Path(tempfile.gettempdir()) / "run_zygote.log"
-        with open(errors, "a") as zygote_log:  # the child keeps its own copy
-            _zygote = subprocess.Popen(
-                [sys.executable, str(ZYGOTE)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=zygote_log,
-                text=True,
-            )
-        atexit.register(_stop_zygote)
-        ready = _zygote.stdout.readline()
-        if ready.strip() != '{"ready": true}':
-            _stop_zygote()
-            raise AssertionError(f"run_zygote.py did not start (see {errors})")
-    request = {
-        "script": script,
-        "argv": argv,
-        "env": env,
-        "log": str(log),
-        "deadline_s": DEADLINE_S,
-    }
-    _zygote.stdin.write(json.dumps(request) + "\n")
-    _zygote.stdin.flush()
-    answer = _zygote.stdout.readline()
-    assert answer, "run_zygote.py exited (see run_zygote.log in the session's TMPDIR)"
-    return json.loads(answer)["rc"]
 
 
 class LLMRun:
@@ -109,7 +76,7 @@ class LLMRun:
             full_env = {**os.environ, **env, "OVERLAY_RESULT_FILE": str(out)}
             if _forks(script, env):
                 log = pathlib.Path(tmp) / "run.log"
-                rc = _forked_run(script, [json.dumps(config)], full_env, log)
+                rc = forked_run(script, [json.dumps(config)], full_env, log, DEADLINE_S)
                 self.log = log.read_text(errors="replace") if log.exists() else ""
             else:
                 proc = subprocess.run(

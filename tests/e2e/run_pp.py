@@ -10,10 +10,9 @@ pipeline rank, layers, the bytes and blocks of its KV cache.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-from vllm_overlay.testing import cpu_defaults, tiny_engine_args
+from vllm_overlay.testing import cpu_defaults, in_process_engine, tiny_engine_args
 
 
 def worker_kv(worker) -> dict:
@@ -34,7 +33,7 @@ def worker_kv(worker) -> dict:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    in_process_engine()  # the engine core here; PP's workers are processes
     from vllm import LLM, SamplingParams
 
     kwargs = {}

@@ -2,11 +2,13 @@
 
 Real lm-eval 0.4.13 and real vLLM 0.11.2 (CPU) on the copy model
 (eval/model/copy_llama) and its local tasks; the config with the expected
-values is eval/configs/copy-llama.yaml.  Each path runs in its own process.
+values is eval/configs/copy-llama.yaml.  Each path runs in a process of
+its own, forked from one that imported vLLM.
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -15,14 +17,19 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "eval"))
 sys.path.insert(0, str(ROOT / "tests"))
-from check_suite import DEFAULT_CONFIG, check, expected_problems, run_path  # noqa: E402
+import check_suite  # noqa: E402
+from check_suite import DEFAULT_CONFIG, check, expected_problems  # noqa: E402
 from run_eval import load_config  # noqa: E402
 from support.redis_server import redis_server  # noqa: E402
+from support.zygote_client import runner  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from tolerances import STOCK_FLOAT32_DRIFT  # noqa: E402
 
 CONFIG = load_config(DEFAULT_CONFIG)
+# Each path's process is forked from the session's zygote (vLLM imported
+# once: tests/support/run_zygote.py); OVERLAY_TESTS_FORK=0: a fresh one.
+run_path = functools.partial(check_suite.run_path, runner=runner())
 
 
 @pytest.fixture(scope="module")

@@ -285,13 +285,17 @@ def main(config: dict) -> dict:
         region = pathlib.Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
         out["region_file"] = str(region)
         out["region_named"] = region.exists()
+    if config.get("exit") == "abrupt":
+        # Out while ``llm`` is referenced: once main returned, a garbage
+        # collection could shut the engine down before the exit.
+        from result_out import emit
+
+        emit(out)
+        os._exit(0)
     return out
 
 
 if __name__ == "__main__":
     from result_out import emit
 
-    config = json.loads(sys.argv[1])
-    emit(main(config))
-    if config.get("exit") == "abrupt":
-        os._exit(0)
+    emit(main(json.loads(sys.argv[1])))

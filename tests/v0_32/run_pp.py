@@ -31,7 +31,11 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "e2e"))
 
-from vllm_overlay.testing import cpu_defaults, tiny_model_path  # noqa: E402
+from vllm_overlay.testing import (  # noqa: E402
+    cpu_defaults,
+    in_process_engine,
+    tiny_model_path,
+)
 
 PROMPTS = [
     "The cache of the model",
@@ -207,7 +211,7 @@ def engine_core_split() -> dict:
 
 def main(config: dict) -> dict:
     cpu_defaults()
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(fn)
+    in_process_engine()  # the engine core here (collective_rpc(fn) allowed)
     result = check_config() if config.get("check") == "config" else generate(config)
     import vllm_overlay
     from vllm_overlay.core.patching import REGISTRY

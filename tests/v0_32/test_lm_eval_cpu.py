@@ -14,13 +14,15 @@ eval/check_suite.py), which pick the 0.32 paths from the installed release:
   prefix cache emptied in between: the scored pass loads its KV from host
   memory.
 
-Each path runs in its own process.  Loglikelihoods (copy_mc) are prompt
-logprobs, which vLLM computes without its prefix cache on every path, so
-they compare bit for bit; generated texts (copy_gen) are tokens.
+Each path runs in a process of its own (forked from one that imported
+vLLM).  Loglikelihoods (copy_mc) are prompt logprobs, which vLLM computes
+without its prefix cache on every path, so they compare bit for bit;
+generated texts (copy_gen) are tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -28,10 +30,16 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "eval"))
-from check_suite import DEFAULT_CONFIG, check, expected_problems, run_path  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+import check_suite  # noqa: E402
+from check_suite import DEFAULT_CONFIG, check, expected_problems  # noqa: E402
 from run_eval import config_paths, load_config, release  # noqa: E402
+from support.zygote_client import runner  # noqa: E402
 
 CONFIG = load_config(DEFAULT_CONFIG)
+# Each path's process is forked from the session's zygote (vLLM imported
+# once: tests/support/run_zygote.py); OVERLAY_TESTS_FORK=0: a fresh one.
+run_path = functools.partial(check_suite.run_path, runner=runner())
 
 
 @pytest.fixture(scope="module")
