@@ -5,15 +5,18 @@ Started by tests/e2e/conftest.py (``LLMRun``) with the harness's Python.
 It imports vLLM, registers nothing and starts no engine, then reads one
 request per line on stdin, JSON:
 
-    {"script": PATH, "argv": [...], "env": {...}, "log": PATH, "deadline_s": S}
+    {"script": PATH, "argv": [...], "env": {...}, "log": PATH, "deadline_s": S,
+     "cwd": PATH (optional)}
 
 and answers one line, JSON ``{"rc": N}``, once that run is over (its
 stdout carries only the answers; its own logs go to stderr).  Each
 run's child starts a session of its own (its engine's processes with it),
 takes ``env`` as its whole environment (read by vLLM and the overlay when
 the engine starts and the overlay registers), writes its stdout and stderr
-to ``log`` and runs ``script`` as ``__main__``, then exits as a process
-does (atexit hooks: vLLM's shutdown), less the interpreter's teardown.
+to ``log`` and runs ``script`` as ``__main__`` (an exception it does not
+catch goes to ``sys.excepthook``, as at a process's top level), then exits
+as a process does (atexit hooks: vLLM's shutdown), less the interpreter's
+teardown.
 Past ``deadline_s`` the session is killed (rc -9); after a run, whatever
 the session left running is killed.
 Variables Python reads only at start-up (``PYTHON*``) cannot be given: the
@@ -44,6 +47,8 @@ def child(request: dict) -> None:
         os.dup2(log, 2)
         os.environ.clear()
         os.environ.update(request["env"])
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
         script = request["script"]
         sys.argv = [script, *request["argv"]]
         sys.path[0] = os.path.dirname(script)
@@ -51,10 +56,8 @@ def child(request: dict) -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported in the log, as Python does
-        import traceback
-
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - reported as Python's top level does
+        sys.excepthook(*sys.exc_info())
     # A process's exit: the atexit hooks (vLLM's engine shutdown, weakref
     # finalizers), then out, without the interpreter's teardown (seconds
     # of it in a child of this process); the parent kills what is left.

@@ -55,10 +55,12 @@ def forked_run(
     env: dict[str, str],
     log: pathlib.Path,
     deadline_s: float = DEADLINE_S,
+    cwd: pathlib.Path | None = None,
 ) -> int:
     """``script`` run as ``__main__`` with ``argv`` and ``env`` (its whole
     environment) in a forked child of the zygote, its output in ``log``;
-    its exit status (-9: killed past ``deadline_s``).  The zygote is the
+    its exit status (-9: killed past ``deadline_s``); it runs in ``cwd``
+    if given (else the session's folder).  The zygote is the
     one started with ``env``'s ``PYTHONPATH``."""
     pythonpath = env.get("PYTHONPATH", "")
     zygote = _zygotes.get(pythonpath)
@@ -72,6 +74,7 @@ def forked_run(
         "env": env,
         "log": str(log),
         "deadline_s": deadline_s,
+        "cwd": str(cwd) if cwd else None,
     }
     zygote.stdin.write(json.dumps(request) + "\n")
     zygote.stdin.flush()

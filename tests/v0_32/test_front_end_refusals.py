@@ -31,6 +31,7 @@ from conftest import run
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from support.served_vllm import free_port, harness_env, serve_command  # noqa: E402
+from support.zygote_client import runner  # noqa: E402
 
 from vllm_overlay.core.pool.config import PoolConfig  # noqa: E402
 from vllm_overlay.integration.v0_32.config_check import (  # noqa: E402
@@ -291,10 +292,16 @@ def test_the_explicit_pp_budget_wins_over_the_cpu_kv_space(front_end):
 
 def serve_refusal(name: str, tmp_path: pathlib.Path) -> tuple[int, str]:
     """``vllm serve`` of the tiny Llama with the case's flags: its exit
-    status and log (it must exit by itself, well before a model load)."""
+    status and log (it must exit by itself, well before a model load).
+    The ``vllm`` command runs forked from the session's zygote (vLLM
+    imported once) when the harness has it and forks are on."""
     argv, env, _ = CASES[name]
     log = tmp_path / f"serve-{name}.log"
     command = serve_command(TINY, free_port(), argv)
+    fork = runner()
+    if fork is not None and pathlib.Path(command[0]).name == "vllm":
+        rc = fork(command[0], command[1:], harness_env(**env), log, 300, tmp_path)
+        return rc, log.read_text(errors="replace")
     with open(log, "w") as out:
         proc = subprocess.run(
             command,
