@@ -19,10 +19,9 @@ import sys
 import tempfile
 
 import pytest
-from support.zygote_client import forked_run
+from support.zygote_client import DEADLINE_S, enabled, forked_run
 
 HERE = pathlib.Path(__file__).parent
-DEADLINE_S = 300
 # Runner scripts (by path) run in a forked child; each was checked to give
 # the results and logs of its own process.  What a run leaves running is
 # killed with it: a process meant to outlive the run starts a session of
@@ -60,7 +59,7 @@ FORKED = {
 
 def _forks(script: str, env: dict[str, str]) -> bool:
     return (
-        os.environ.get("OVERLAY_TESTS_FORK", "1") != "0"
+        enabled()
         and script in FORKED
         and not any(n.startswith("PYTHON") and n != "PYTHONPATH" for n in env)
     )
@@ -76,7 +75,7 @@ class LLMRun:
             full_env = {**os.environ, **env, "OVERLAY_RESULT_FILE": str(out)}
             if _forks(script, env):
                 log = pathlib.Path(tmp) / "run.log"
-                rc = forked_run(script, [json.dumps(config)], full_env, log, DEADLINE_S)
+                rc = forked_run(script, [json.dumps(config)], full_env, log)
                 self.log = log.read_text(errors="replace") if log.exists() else ""
             else:
                 proc = subprocess.run(

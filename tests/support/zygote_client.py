@@ -60,7 +60,7 @@ def forked_run(
     """``script`` run as ``__main__`` with ``argv`` and ``env`` (its whole
     environment) in a forked child of the zygote, its output in ``log``;
     its exit status (-9: killed past ``deadline_s``); it runs in ``cwd``
-    if given (else the session's folder).  The zygote is the
+    if given (else the test session's working directory).  The zygote is the
     one started with ``env``'s ``PYTHONPATH``."""
     pythonpath = env.get("PYTHONPATH", "")
     zygote = _zygotes.get(pythonpath)
@@ -83,7 +83,13 @@ def forked_run(
     return json.loads(answer)["rc"]
 
 
+def enabled() -> bool:
+    """Whether runs fork (``OVERLAY_TESTS_FORK=0``: each a process of its
+    own)."""
+    return os.environ.get("OVERLAY_TESTS_FORK", "1") != "0"
+
+
 def runner():
-    """``forked_run``, or None (a process of its own) under
-    ``OVERLAY_TESTS_FORK=0``: for helpers that take a ``runner``."""
-    return None if os.environ.get("OVERLAY_TESTS_FORK", "1") == "0" else forked_run
+    """``forked_run``, or None (a process of its own) when forks are off:
+    for helpers that take a ``runner``."""
+    return forked_run if enabled() else None
