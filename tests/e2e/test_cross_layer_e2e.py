@@ -92,10 +92,12 @@ def test_prompts_span_several_blocks_and_chunks(llm_run):
 
 def test_multiprocess_engine_gets_the_plugin(llm_run):
     """Default vLLM: EngineCore in its own process; the entry point must
-    apply the overlay there."""
+    apply the overlay there.  The overlay's run spawns it as vLLM does, a
+    fresh interpreter (OVERLAY_TESTS_FORK=0: not forked from the test
+    harness's spawn zygote, tests/support/spawn_shim.py)."""
     config = {"dtype": "float32", "multiprocess": True}
     stock = llm_run(config, **STOCK)
-    cross = llm_run({**config, "connector": "probe"})
+    cross = llm_run({**config, "connector": "probe"}, OVERLAY_TESTS_FORK="0")
     assert_cross_layer_active(cross)
     # In multiprocess mode batches form by timing, and stock vLLM's own
     # logprobs vary run to run at ~1e-7 there; tokens must still be equal.
