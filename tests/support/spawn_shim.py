@@ -53,6 +53,14 @@ PROGRAM = re.compile(
 # (measured with an import hook in both harnesses, LLM() with and without
 # the mp executor): preloading them changes nothing the overlay patches.
 PRELOAD = ("vllm.v1.executor.multiproc_executor",)
+# A ``vllm serve`` front end (the ``vllm`` console script) has these before
+# AsyncEngineArgs.add_cli_args loads the plugins (same measurement,
+# ``vllm serve --help``, both harnesses).
+FRONT_END_PRELOAD = (
+    "vllm.entrypoints.cli.main",
+    "vllm.engine.arg_utils",
+    "vllm.v1.executor.multiproc_executor",
+)
 # (tests/unit/test_spawn_shim.py runs the machinery without vLLM)
 PRELOAD_VARIABLE = "OVERLAY_SPAWN_PRELOAD"
 # Read by the loader, libc or native libraries when they load (not through
@@ -102,6 +110,14 @@ def install() -> None:
         os.chmod(tmp, 0o755)
         os.replace(tmp, wrapper)
     multiprocessing.spawn.set_executable(wrapper)
+    argv = sys.argv
+    if len(argv) > 1 and os.path.basename(argv[0]) == "vllm" and argv[1] == "serve":
+        import subprocess
+
+        flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+        modules = preload(FRONT_END_PRELOAD)
+        # Returns only where no zygote takes it: this process then runs on.
+        _delegate(folder, flags, modules, {"run": list(argv)}, lambda: None)
 
 
 def install_pth() -> None:
@@ -132,8 +148,8 @@ def startup_key(flags: list[str], env: dict[str, str], names: list[str]) -> str:
     return _digest([sys.executable, flags, loader, read])
 
 
-def preload() -> list[str]:
-    return os.environ.get(PRELOAD_VARIABLE, ",".join(PRELOAD)).split(",")
+def preload(default: tuple[str, ...] = PRELOAD) -> list[str]:
+    return os.environ.get(PRELOAD_VARIABLE, ",".join(default)).split(",")
 
 
 def names_path(folder: str, flags: list[str], modules: list[str]) -> str:
@@ -162,7 +178,9 @@ def _connect(path: str) -> socket.socket | None:
         return None
 
 
-def _zygote(folder: str, flags: list[str], env: dict[str, str]) -> socket.socket | None:
+def _zygote(
+    folder: str, flags: list[str], env: dict[str, str], modules: list[str]
+) -> socket.socket | None:
     """A connection to the zygote for this start-up, started if there is none."""
     import fcntl
     import select
@@ -176,7 +194,6 @@ def _zygote(folder: str, flags: list[str], env: dict[str, str]) -> socket.socket
             return None, None
         return key, _connect(socket_path(folder, key))
 
-    modules = preload()
     key, sock = current()
     if sock is not None:
         return sock
@@ -236,21 +253,12 @@ def _exit_as(rc: int) -> None:
     os._exit(rc if rc >= 0 else 1)
 
 
-def wrapper(argv: list[str]) -> None:
-    folder = _enabled()
-    if "-c" not in argv or not folder:
-        _fresh(argv)
-    at = argv.index("-c")
-    flags, rest = argv[:at], argv[at:]
-    found = (
-        len(rest) == 3
-        and rest[2] == "--multiprocessing-fork"
-        and PROGRAM.match(rest[1])
-    )
-    if not found:
-        _fresh(argv)
-    # Every descriptor spawn passed: besides the two on the command line,
-    # pickled Connections (vLLM's ready and death pipes) name theirs by number.
+def _delegate(folder, flags, modules, what: dict, fresh) -> None:
+    """Have a zygote fork this process's work (``what``: ``{"spawn": ...}``
+    or ``{"run": argv}``) and become its stand-in: forward signals, exit as
+    it exits.  ``fresh()`` where no zygote takes it."""
+    # Every descriptor this process has: spawn passes more than the two on
+    # its command line (pickled Connections name theirs by number).
     targets = []
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -259,48 +267,45 @@ def wrapper(argv: list[str]) -> None:
         except OSError:
             pass  # listdir's own
     if len(targets) > 60:  # more than one message carries here
-        _fresh(argv)
+        return fresh()
     env = dict(os.environ)
-    sock = _zygote(folder, flags, env)
+    sock = _zygote(folder, flags, env, modules)
     if sock is None:
-        _fresh(argv)
-    tracker_fd, pipe_handle = int(found[1]), int(found[2])
+        return fresh()
     request = json.dumps(
-        {
-            "targets": targets,
-            "env": env,
-            "cwd": os.getcwd(),
-            "tracker_fd": tracker_fd,
-            "pipe_handle": pipe_handle,
-        }
+        {"targets": targets, "env": env, "cwd": os.getcwd(), **what}
     ).encode()
-    pending: list[int] = []
-    child = [0]
-
-    def forward(signum, _frame):
-        if child[0]:
-            os.kill(child[0], signum)
-        else:
-            pending.append(signum)
-
-    for signum in FORWARDED:
-        signal.signal(signum, forward)
     try:
         socket.send_fds(sock, [len(request).to_bytes(4, "big") + request], targets)
+        replies = sock.makefile("r")
+        first = replies.readline()
     except OSError:
-        _fresh(argv)
-    replies = sock.makefile("r")
-    first = replies.readline()
-    if not first:  # the zygote ended before it forked: a fresh child
-        _fresh(argv)
-    child[0] = json.loads(first)["pid"]
+        first = ""
+    if not first:  # refused, or the zygote ended before it forked
+        sock.close()
+        return fresh()
+    child = json.loads(first)["pid"]
+    for signum in FORWARDED:
+        signal.signal(signum, lambda signum, _frame: os.kill(child, signum))
     for fd in targets:
         if fd > 2:
             os.close(fd)  # the child has its own
-    for signum in pending:
-        os.kill(child[0], signum)
     last = replies.readline()
     _exit_as(json.loads(last)["rc"] if last else 1)
+
+
+def wrapper(argv: list[str]) -> None:
+    folder = _enabled()
+    if "-c" not in argv or not folder:
+        _fresh(argv)
+    at = argv.index("-c")
+    flags, rest = argv[:at], argv[at:]
+    forking = len(rest) == 3 and rest[2] == "--multiprocessing-fork"
+    found = forking and PROGRAM.match(rest[1])
+    if not found:
+        _fresh(argv)
+    spawn = {"tracker_fd": int(found[1]), "pipe_handle": int(found[2])}
+    _delegate(folder, flags, preload(), {"spawn": spawn}, lambda: _fresh(argv))
 
 
 if __name__ == "__main__":

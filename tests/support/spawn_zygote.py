@@ -12,19 +12,21 @@ It imports MODULE..., recording which variables Python code reads from
 then listens on the socket ``spawn_shim.socket_path`` names for its
 start-up key (created under a temporary name, then renamed: it exists
 once the zygote is ready).  For each connection it reads one request: a
-4-byte length, JSON {targets, env, cwd, tracker_fd, pipe_handle}, and
-the descriptors ``targets`` names (in that order).  A request whose
-start-up differs from the zygote's (its environment as started) in any
-variable the imports read or the loader reads is refused (closed: the
-wrapper starts a fresh child).
-Otherwise it forks a child that takes those descriptors at those
-numbers, the environment and the working directory, and runs
-``spawn_main`` as ``python -c ... --multiprocessing-fork`` would; it
-answers ``{"pid": N}``, then ``{"rc": N}`` (``os.waitstatus_to_exitcode``)
-when the child ends.  A connection that closes first (the wrapper was
-killed) gets its child SIGKILLed.  The zygote is single-threaded
-(checked after the imports) and exits when it has had no child for
-``IDLE_S``; its children die with it (``PR_SET_PDEATHSIG``).
+4-byte length, JSON {targets, env, cwd, and "spawn": {tracker_fd,
+pipe_handle} or "run": ARGV}, and the descriptors ``targets`` names (in
+that order).  A request whose start-up differs from the zygote's (its
+environment as started) in any variable the imports read or the loader
+reads is refused (closed: the wrapper starts a fresh child).  Otherwise
+it forks a child (a process group of its own) that takes those
+descriptors at those numbers, the environment and the working directory,
+and runs ``spawn_main`` as ``python -c ... --multiprocessing-fork`` would,
+or the script ARGV[0] as ``python ARGV`` would; it answers
+``{"pid": N}``, then ``{"rc": N}`` (``os.waitstatus_to_exitcode``) when
+the child ends.  A connection that closes first (the wrapper was killed)
+gets its child's group SIGKILLed: the child, and the wrappers of the
+processes it started, whose zygotes kill those in turn.  The zygote is
+single-threaded (checked after the imports) and exits when it has had no
+child for ``IDLE_S``; its children die with it (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import ctypes
 import fcntl
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -70,8 +73,15 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 def _taken(targets: list[int], own: list[int]) -> list[int]:
     """Target descriptors a module of this process holds open (the child
     would lose them); none after the imports measured here."""
-    held = {int(fd) for fd in os.listdir("/proc/self/fd")}
-    return [fd for fd in targets if fd > 2 and fd in held and fd not in own]
+    taken = []
+    for fd in targets:
+        if fd > 2 and fd not in own:
+            try:
+                os.fstat(fd)
+                taken.append(fd)
+            except OSError:
+                pass
+    return taken
 
 
 def _child(request: dict, fds: list[int], zygote_fds: list[int]) -> None:
@@ -90,16 +100,25 @@ def _child(request: dict, fds: list[int], zygote_fds: list[int]) -> None:
             os.dup2(source, target)
         for source in high:
             os.close(source)
+        os.setpgid(0, 0)  # its own group: killed with what it started
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        sys.argv = ["-c", "--multiprocessing-fork"]
-        from multiprocessing.spawn import spawn_main
+        if "spawn" in request:
+            sys.argv = ["-c", "--multiprocessing-fork"]
+            from multiprocessing.spawn import spawn_main
 
-        spawn_main(tracker_fd=request["tracker_fd"], pipe_handle=request["pipe_handle"])
+            spawn_main(**request["spawn"])
+        else:  # a script, as ``python SCRIPT ARGS`` runs it
+            sys.argv = list(request["run"])
+            sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+            runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exc.code if isinstance(exc.code, int) else 0
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+            code = 1
     except BaseException:  # noqa: BLE001 - reported as Python's top level does
         sys.excepthook(*sys.exc_info())
     # The rest of an interpreter's exit: non-daemon threads joined, then the
@@ -118,9 +137,24 @@ def _import_recording(modules: list[str]) -> list[str]:
     read: set[str] = set()
     environ_class = type(os.environ)
 
+    walked: set[str] = set()  # names a walk over the whole environment yields
+
     class Recording(environ_class):  # get() and ``in`` go through here too
+        def __iter__(self):
+            # dict(os.environ), .items(), .copy(): a snapshot of everything
+            # (for the processes a library starts, or a prefix scan), which
+            # reads no variable in particular; the reads that follow are its.
+            names = list(super().__iter__())
+            walked.clear()
+            walked.update(names)
+            return iter(names)
+
         def __getitem__(self, name):
-            read.add(name if isinstance(name, str) else os.fsdecode(name))
+            name_ = name if isinstance(name, str) else os.fsdecode(name)
+            if name_ in walked:
+                walked.discard(name_)
+            else:
+                read.add(name_)
             return super().__getitem__(name)
 
     os.environ.__class__ = Recording
@@ -231,10 +265,14 @@ def main() -> None:
                 gone = not conn.recv(1)
             except OSError:
                 gone = True
-            if gone:  # the wrapper was killed: so is its child
+            if gone:  # the wrapper was killed: so is its child, and the
+                # wrappers of what it started (its group), whose zygotes then
+                # kill their children in turn
                 pid = by_conn.pop(conn)
                 children[pid] = None
                 conn.close()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         while children:

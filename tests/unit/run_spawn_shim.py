@@ -41,8 +41,33 @@ def sleeper(conn):
     time.sleep(60)
 
 
+def parent_of_a_sleeper(conn):
+    """Spawns a sleeper of its own and reports its real pid."""
+    runpy.run_path(str(SHIM))["install"]()
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    proc = context.Process(target=sleeper, args=(theirs,))
+    proc.start()
+    conn.send(mine.recv())
+    proc.join()
+
+
 def fails():
     raise RuntimeError("raised in the spawned child")
+
+
+def gone(pid: int, deadline_s: float = 10.0) -> bool:
+    """Whether PID is gone (or a zombie) within DEADLINE_S."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split()[2] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def main() -> None:
@@ -65,21 +90,18 @@ def main() -> None:
         real = parent.recv()
         getattr(proc, case)()
         proc.join(30)
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            try:
-                os.kill(real, 0)
-                # a zombie until the zygote reaps it: alive for kill(0)
-                with open(f"/proc/{real}/stat") as stat:
-                    if stat.read().split()[2] == "Z":
-                        break
-            except (ProcessLookupError, FileNotFoundError):
-                break
-            time.sleep(0.05)
-        else:
+        if not gone(real):
             os.kill(real, signal.SIGKILL)
             real = f"{real} still running"
         out = {"exitcode": proc.exitcode, "real": real, "wrapper_pid": proc.pid}
+    elif case == "cascade":  # SIGKILL a child's wrapper: its own child goes too
+        parent, child = context.Pipe()
+        proc = context.Process(target=parent_of_a_sleeper, args=(child,))
+        proc.start()
+        grandchild = parent.recv()
+        proc.kill()
+        proc.join(30)
+        out = {"grandchild": grandchild, "gone": gone(grandchild)}
     elif case == "raises":
         proc = context.Process(target=fails)
         proc.start()

@@ -28,6 +28,8 @@ SHIM = HERE.parent / "support" / "spawn_shim.py"
 
 PRELOADED = """import os
 READ_AT_IMPORT = os.environ.get("SPAWN_SHIM_READ_AT_IMPORT")
+SNAPSHOT = dict(os.environ)  # a walk over everything keys nothing
+ITEMS = list(os.environ.items())
 """
 
 
@@ -88,6 +90,45 @@ def test_a_killed_wrapper_takes_its_child(zygotes, tmp_path):
     out, _ = run("kill", zygotes, tmp_path)
     assert out["exitcode"] == -signal.SIGKILL
     assert isinstance(out["real"], int), out["real"]
+
+
+def test_a_killed_wrapper_takes_what_its_child_started(zygotes, tmp_path):
+    out, _ = run("cascade", zygotes, tmp_path)
+    assert out["gone"], out
+
+
+FRONT_END = """#!{python}
+import json, os, sys
+print(json.dumps([os.getppid(), sys.argv, os.getcwd()]), flush=True)
+sys.exit(5)
+"""
+
+
+def test_vllm_serve_is_handed_to_a_zygote(zygotes, tmp_path):
+    """A ``vllm serve`` process (the console script's name) hands itself
+    over at start-up (the harness's .pth): the script runs in the zygote's
+    child with its argv and working directory; the process exits as it did."""
+    subprocess.run([sys.executable, str(SHIM), "--install-pth"], check=True)
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text(FRONT_END.format(python=sys.executable))
+    script.chmod(0o755)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OVERLAY_")},
+        "OVERLAY_SPAWN_ZYGOTES": str(zygotes),
+        "OVERLAY_SPAWN_SHIM": str(SHIM),
+        "OVERLAY_SPAWN_PRELOAD": "reads_at_import",
+        "PYTHONPATH": str(zygotes.parent / "modules"),
+    }
+    for argv, handed in (["serve", "model"], True), (["--version"], False):
+        done = subprocess.run(
+            [str(script), *argv], env=env, cwd=tmp_path, capture_output=True, text=True
+        )
+        assert done.returncode == 5, done.stderr
+        ppid, seen, cwd = json.loads(done.stdout)
+        assert (ppid != os.getpid()) is handed  # else this test's child
+        assert seen == [str(script), *argv] and cwd == str(tmp_path)
+    assert len(list(zygotes.glob("*.log"))) == 1
 
 
 def test_an_uncaught_exception_is_reported_as_a_process_top_level(zygotes, tmp_path):
