@@ -30,7 +30,7 @@ modules load as they would have.  The zygote preloads only modules that
 every spawned child imports before vLLM loads its plugins (``PRELOAD``),
 so the overlay patches the same modules at the same point as in a fresh
 child.  Anything else (another command line, a zygote that could not
-start or refused, more than ``MAX_ZYGOTES`` zygotes in one folder) execs
+start or refused, ``MAX_ZYGOTES`` zygotes of one folder running) execs
 the real interpreter: a fresh child, as without the shim.
 """
 
@@ -168,6 +168,23 @@ def socket_path(folder: str, key: str) -> str:
     return path
 
 
+def running(folder: str) -> list[int]:
+    """The zygotes of ``folder`` that are running (each marks itself with
+    ``running-<pid>`` until it exits; a killed one leaves a stale mark)."""
+    pids = []
+    for name in os.listdir(folder):
+        if name.startswith("running-"):
+            pid = int(name[len("running-") :])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass
+            pids.append(pid)
+    return pids
+
+
 def _connect(path: str) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -206,9 +223,9 @@ def _zygote(
         failed = os.path.join(folder, f"{key or base}.failed")
         if sock is not None or os.path.exists(failed):
             return sock
-        logs = [n for n in os.listdir(folder) if n.endswith(".log")]
-        if len(logs) >= MAX_ZYGOTES:
+        if len(running(folder)) >= MAX_ZYGOTES:
             return None
+        logs = [n for n in os.listdir(folder) if n.endswith(".log")]
         zygote = os.path.join(
             os.path.dirname(os.path.abspath(__file__)), "spawn_zygote.py"
         )

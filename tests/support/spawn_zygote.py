@@ -207,6 +207,8 @@ def main() -> None:
         # Out of the starting wrapper's process tree (vLLM kills an engine
         # core's whole tree); the wrapper waits on ``ready`` instead.
         os._exit(0)
+    running = os.path.join(folder, f"running-{os.getpid()}")  # shim.running()
+    open(running, "w").close()
     sys.path.pop(0)  # this script's folder: not the children's
     os.dup2(2, 1)  # vLLM logs to stdout
     started = time.monotonic()
@@ -292,6 +294,7 @@ def main() -> None:
             if not children:
                 idle_since = time.monotonic()
     os.unlink(path)
+    os.unlink(running)
     _log("idle: exiting")
 
 

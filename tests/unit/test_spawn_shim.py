@@ -173,3 +173,28 @@ def test_off_with_overlay_tests_fork_0(zygotes, tmp_path):
     assert out["pid"] == out["wrapper_pid"]
     assert "run_spawn_shim.py" in out["parent_cmdline"]
     assert not zygotes.exists()
+
+
+def test_the_cap_counts_running_zygotes_not_past_ones(zygotes, tmp_path):
+    """Zygotes idle out; a later start-up still gets one.  Six that are
+    running (marked with live pids) make a seventh start-up a fresh child."""
+    zygotes.mkdir()
+    for n in range(6):  # six zygotes that ran and exited (their logs, stale marks)
+        (zygotes / f"zygote-{n}.log").write_text("idle: exiting\n")
+        (zygotes / f"running-{2**22 + n}").touch()  # above pid_max: not running
+    later, _ = run("exit", zygotes, tmp_path)
+    assert later["pid"] != later["wrapper_pid"]  # forked by a zygote
+    assert "spawn_zygote.py" in later["parent_cmdline"]
+    assert (zygotes / f"running-{later['ppid']}").exists()
+
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
+    try:  # with the one above, six running
+        for sleeper in sleepers:
+            (zygotes / f"running-{sleeper.pid}").touch()
+        full, _ = run("fresh", zygotes, tmp_path, SPAWN_SHIM_READ_AT_IMPORT="c")
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+    assert full["pid"] == full["wrapper_pid"]  # the wrapper exec'd the interpreter
+    assert len(list(zygotes.glob("zygote-*.log"))) == 7
