@@ -25,7 +25,6 @@ caller runs those scripts as processes of their own.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -34,11 +33,13 @@ import signal
 import sys
 import time
 
+from forked_exit import run_then_exit  # this script's folder: sys.path[0]
+
 
 def child(request: dict) -> None:
     """In the forked child: never returns."""
-    code = 1
-    try:
+
+    def program() -> None:
         os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)  # the requests' pipe is the parent's
@@ -53,20 +54,8 @@ def child(request: dict) -> None:
         sys.argv = [script, *request["argv"]]
         sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported as Python's top level does
-        sys.excepthook(*sys.exc_info())
-    # A process's exit: the atexit hooks (vLLM's engine shutdown, weakref
-    # finalizers), then out, without the interpreter's teardown (seconds
-    # of it in a child of this process); the parent kills what is left.
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    run_then_exit(program)
 
 
 def wait(pid: int, deadline_s: float) -> int:

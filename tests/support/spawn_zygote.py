@@ -31,7 +31,6 @@ child for ``IDLE_S``; its children die with it (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -46,6 +45,7 @@ import threading
 import time
 
 import spawn_shim as shim  # this folder: sys.path[0], removed below
+from forked_exit import run_then_exit  # this folder too
 
 IDLE_S = 300.0
 
@@ -86,8 +86,8 @@ def _taken(targets: list[int], own: list[int]) -> list[int]:
 
 def _child(request: dict, fds: list[int], zygote_fds: list[int]) -> None:
     """In the forked child: never returns."""
-    code = 1
-    try:
+
+    def program() -> None:
         for fd in zygote_fds:
             os.close(fd)
         signal.set_wakeup_fd(-1)
@@ -113,23 +113,8 @@ def _child(request: dict, fds: list[int], zygote_fds: list[int]) -> None:
             sys.argv = list(request["run"])
             sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
             runpy.run_path(sys.argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - reported as Python's top level does
-        sys.excepthook(*sys.exc_info())
-    # The rest of an interpreter's exit: non-daemon threads joined, then the
-    # atexit hooks; not its teardown (seconds in a child of this process).
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    run_then_exit(program)
 
 
 def _import_recording(modules: list[str]) -> list[str]:
