@@ -22,6 +22,7 @@ harness's stamp makes a later call return at once, without importing vLLM.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import pathlib
 import sys
@@ -42,7 +43,8 @@ def main() -> int:
     cache.mkdir(parents=True, exist_ok=True)
     stamp_file = pathlib.Path(sys.prefix) / ".harness-stamp"
     stamp = stamp_file.read_text().strip() if stamp_file.exists() else "none"
-    marker = cache / f".warm-{stamp}-{len(ARCHITECTURES)}"
+    asked = hashlib.sha256(",".join(ARCHITECTURES).encode()).hexdigest()[:8]
+    marker = cache / f".warm-{stamp}-{asked}"
     if marker.exists():
         return 0
     with open(cache / ".warm.lock", "w") as lock:

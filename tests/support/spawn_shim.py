@@ -168,13 +168,21 @@ def socket_path(folder: str, key: str) -> str:
     return path
 
 
+RUNNING = "running-"
+
+
+def running_mark(folder: str, pid: int) -> str:
+    """The file a running zygote keeps in ``folder`` until it exits."""
+    return os.path.join(folder, f"{RUNNING}{pid}")
+
+
 def running(folder: str) -> list[int]:
-    """The zygotes of ``folder`` that are running (each marks itself with
-    ``running-<pid>`` until it exits; a killed one leaves a stale mark)."""
+    """The zygotes of ``folder`` that are running (each keeps its
+    ``running_mark`` until it exits; a killed one leaves a stale mark)."""
     pids = []
     for name in os.listdir(folder):
-        if name.startswith("running-"):
-            pid = int(name[len("running-") :])
+        if name.startswith(RUNNING):
+            pid = int(name[len(RUNNING) :])
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:

@@ -192,7 +192,7 @@ def main() -> None:
         # Out of the starting wrapper's process tree (vLLM kills an engine
         # core's whole tree); the wrapper waits on ``ready`` instead.
         os._exit(0)
-    running = os.path.join(folder, f"running-{os.getpid()}")  # shim.running()
+    running = shim.running_mark(folder, os.getpid())  # counted by shim.running()
     open(running, "w").close()
     sys.path.pop(0)  # this script's folder: not the children's
     os.dup2(2, 1)  # vLLM logs to stdout
