@@ -26,6 +26,7 @@ import hashlib
 import os
 import pathlib
 import sys
+import time
 
 # The architectures the suites' engines and configs use: the tiny and copy
 # Llamas, the tiny DeepSeek (MLA), and the models vLLM's own tests name
@@ -38,6 +39,9 @@ ARCHITECTURES = (
 )
 
 
+LOCK_S = 300.0  # the longest the other lane waits for the warm-up
+
+
 def main() -> int:
     cache = pathlib.Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos"
     cache.mkdir(parents=True, exist_ok=True)
@@ -48,7 +52,20 @@ def main() -> int:
     if marker.exists():
         return 0
     with open(cache / ".warm.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other lane waits, then returns
+        # The other lane waits for the warm-up, then returns; past LOCK_S it
+        # warms the cache itself (the same files, written atomically by vLLM).
+        deadline = time.monotonic() + LOCK_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if marker.exists():
+                    return 0
+                if time.monotonic() > deadline:
+                    print(f"warm_model_info: lock held past {LOCK_S:.0f} s; warming")
+                    break
+                time.sleep(0.2)
         if marker.exists():
             return 0
         os.environ["VLLM_OVERLAY_DISABLE"] = "1"  # as vLLM's own subprocess
