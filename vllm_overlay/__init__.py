@@ -14,6 +14,7 @@ import threading
 from vllm_overlay import envs
 from vllm_overlay.envs import env_features  # noqa: F401  (re-exported)
 from vllm_overlay.version_gate import (  # noqa: F401  (re-exported)
+    REFUSED_HERE,
     RELEASES,
     SUPPORTED_RELEASES,
     UnsupportedVLLMVersion,
@@ -75,7 +76,10 @@ def register() -> str:
         from vllm_overlay.patches import apply_all
         from vllm_overlay.version_gate import check_installed_release
 
-        check_installed_release(entry, version)
+        form = check_installed_release(entry, version)
+        for feature, (where, text) in REFUSED_HERE.items():
+            if where == version:
+                logger.warning("vllm-overlay: %s refused: %s", feature, text)
         apply_all(entry)
         patch_features.install()
         if feature_runs_on("connectors", version):
@@ -93,6 +97,8 @@ def register() -> str:
             version,
             RELEASES[entry],
         )
+        if form:
+            logger.info("vllm-overlay: upstream files as tested: %s", form)
         return _status(_outcome)
 
 

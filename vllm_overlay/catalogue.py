@@ -36,13 +36,25 @@ too.  `python -m vllm_overlay doctor` shows what was applied here.
 
 def render_markdown() -> str:
     out = [HEADER]
+    rendered: dict[str, str] = {}  # patch id -> the release it is listed under
+    sets: set[str] = set()
     for entry, name in RELEASES.items():
+        if name in sets:
+            continue  # a later release a set's record admits: listed above
+        sets.add(name)
         out.append(f"\n# vLLM {entry} (`vllm_overlay/patches/{name}/`)\n")
         for module in modules(entry):
             file = module.__name__.replace(".", "/") + ".py"
             upstream_file = module.MODULE.replace(".", "/") + ".py"
             out.append(f"\n## `{upstream_file}`\n\nOverlay file: `{file}`\n")
             for patch in module.PATCHES:
+                if patch.id in rendered:  # a patch shared with an earlier set
+                    out.append(
+                        f"\n### {patch.id}: `{patch.target}`\n\n"
+                        f"The same patch as under vLLM {rendered[patch.id]}.\n"
+                    )
+                    continue
+                rendered[patch.id] = entry
                 out.append(
                     f"\n### {patch.id}: `{patch.target}`\n\n"
                     f"- Feature: {patch.feature}\n"

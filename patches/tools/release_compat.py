@@ -36,6 +36,12 @@ are kept with the run, so only those bytes are admitted; a later rebuild
 drops the run if V's files no longer match them).  ``--check`` keeps the
 committed builds it is not given.
 
+The v0_33 set (``--set v0_33``, reference vLLM 0.33.0) groups its
+touched files by feature (``FEATURE_SOURCES``: per feature, its patch
+modules, the overlay code it runs and the upstream files it relies on):
+its record lists each feature's files, and ``version_gate`` refuses a
+feature alone when its files differ.
+
 Releases checked: those already in the record, every cached sdist newer than
 the reference, and ``--release``.  ``--check`` rebuilds the record from the
 sdists of the releases it lists (downloaded where not cached, unless
@@ -69,7 +75,10 @@ PATCH_SET = "v0_32"
 REFERENCE = "0.32.0"
 RECORD = ROOT / "vllm_overlay" / "patches" / PATCH_SET / "releases.json"
 SOURCES = [f"vllm_overlay/patches/{PATCH_SET}", f"vllm_overlay/integration/{PATCH_SET}"]
-FOLLOWED = "vllm_overlay.core"  # overlay modules followed from SOURCES
+FOLLOWED = ("vllm_overlay.core",)  # overlay modules followed from SOURCES
+# Each set with a record -> its reference release; ``select`` makes one the
+# set the tool works on (PATCH_SET, REFERENCE, RECORD; default v0_32).
+SETS = {"v0_32": "0.32.0", "v0_33": "0.33.0"}
 
 # Upstream files the set's code never imports but whose behaviour it relies
 # on (paths in the vLLM tree) -> why.  A change there can break the overlay
@@ -93,10 +102,66 @@ RELIED_ON = {
 }
 
 
-def patch_targets(patch_set: str = PATCH_SET) -> list[str]:
-    """The upstream modules the set's patches target (``Patch.module``)."""
+# The v0_33 set, per feature (version_gate.FEATURE_RELEASES' names): the
+# overlay code it runs (files or folders; the feature's patch modules are
+# added from the set's FEATURES) and the upstream files it relies on without
+# importing them, each with why.  Overlay modules imported from them are
+# followed under FOLLOWED_0_33 (not the patch packages: a feature's patches
+# are its FEATURES' modules only).
+FOLLOWED_0_33 = ("vllm_overlay.core", "vllm_overlay.integration")
+_POOL_MANAGER = "the manager drives every tier method (lookups, stores, "
+FEATURE_SOURCES: dict[str, dict] = {
+    "pool_tier": {
+        "sources": [
+            "vllm_overlay/patches/v0_32/patch_offloading_connector.py",
+            "vllm_overlay/integration/v0_32/pool_tier",
+        ],
+        "relied_on": {
+            "vllm/v1/kv_offload/tiering/manager.py": _POOL_MANAGER
+            + "promotions, drain_jobs in reset_cache, the promotion hold "
+            "after a reset) and asserts every job it is told of is known",
+            "vllm/v1/kv_offload/tiering/spec.py": "builds the manager and "
+            "the tiers from secondary_tiers (tier_poll_interval_s, the "
+            "config_info keys)",
+            "vllm/v1/kv_offload/tiering/factory.py": "loads the tier by "
+            "module_path and takes out type/module_path/backpressure "
+            "(config_check.FACTORY_KEYS)",
+            "vllm/v1/kv_offload/tiering/backpressure.py": "fed by the tier's "
+            "JobResults (failed stores count with failure_threshold set)",
+            "vllm/v1/kv_offload/tiering/metrics.py": "reads the JobResults' "
+            "transfer sizes and times",
+            "vllm/v1/kv_offload/config.py": "the OffloadingConfig fields "
+            "identity.tier_factors namespaces the pool by",
+            "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
+            "config.py": "build_offloading_config, which PT32-01 wraps",
+            "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
+            "scheduler.py": "calls the manager under its lock: lookups, "
+            "on_schedule_end (the tier's per-step flush), the reset fence",
+        },
+    },
+    "pp_prop_kv_cache": {
+        "sources": ["vllm_overlay/integration/v0_32/pp_kv.py"],
+        "relied_on": {
+            "vllm/v1/core/kv_cache_planning.py": "defines the "
+            "get_kv_cache_configs PP33-04 wraps: blocks = memory // bytes "
+            "per block per worker, then the min over stages",
+            "vllm/v1/core/kv_cache_config_builder.py": "the bytes per block "
+            "that arithmetic divides by",
+            "vllm/v1/worker/gpu_worker.py": "determine_available_memory "
+            "reports kv_cache_memory_bytes as each worker's memory",
+            "vllm/distributed/utils.py": "get_pp_indices: the partition the "
+            "split's layer counts follow",
+        },
+    },
+}
+
+
+def patch_targets(patch_set: str = PATCH_SET, feature: str | None = None) -> list[str]:
+    """The upstream modules the set's patches target (``Patch.module``);
+    of one FEATURE's patch modules (the set's ``FEATURES``) if given."""
     package = importlib.import_module(f"vllm_overlay.patches.{patch_set}")
-    return sorted({p.module for m in package.MODULES for p in m.PATCHES})
+    modules = package.FEATURES[feature] if feature else package.MODULES
+    return sorted({p.module for m in modules for p in m.PATCHES})
 
 
 def _overlay_file(module: str) -> pathlib.Path | None:
@@ -107,9 +172,16 @@ def _overlay_file(module: str) -> pathlib.Path | None:
     return None
 
 
-def overlay_files(sources: list[str] = SOURCES) -> list[pathlib.Path]:
+def _source_files(source: str) -> list[pathlib.Path]:
+    path = ROOT / source
+    return [path] if path.is_file() else sorted(path.rglob("*.py"))
+
+
+def overlay_files(
+    sources: list[str] = SOURCES, followed: tuple[str, ...] = FOLLOWED
+) -> list[pathlib.Path]:
     """The .py files of SOURCES and the FOLLOWED modules they import."""
-    todo = [p for folder in sources for p in sorted((ROOT / folder).rglob("*.py"))]
+    todo = [p for source in sources for p in _source_files(source)]
     seen: list[pathlib.Path] = []
     while todo:
         path = todo.pop(0)
@@ -117,11 +189,14 @@ def overlay_files(sources: list[str] = SOURCES) -> list[pathlib.Path]:
             continue
         seen.append(path)
         rel = str(path.relative_to(ROOT))
-        for _, module, name in static_imports.imports(path.read_text(), rel, FOLLOWED):
-            for candidate in (module, f"{module}.{name}" if name else None):
-                found = _overlay_file(candidate) if candidate else None
-                if found is not None and found not in seen:
-                    todo.append(found)
+        for package in followed:
+            for _, module, name in static_imports.imports(
+                path.read_text(), rel, package
+            ):
+                for candidate in (module, f"{module}.{name}" if name else None):
+                    found = _overlay_file(candidate) if candidate else None
+                    if found is not None and found not in seen:
+                        todo.append(found)
     return seen
 
 
@@ -158,20 +233,65 @@ class Sdist:
         return None
 
 
-def touched_files(reference: Sdist) -> list[str]:
-    """The touched upstream files (paths in the vLLM tree), sorted."""
-    files = set()
-    modules = dict.fromkeys(patch_targets(), {""})
-    for module, names in imported_modules(overlay_files()).items():
+def select(patch_set: str) -> None:
+    """Work on PATCH_SET's record from now on."""
+    global PATCH_SET, REFERENCE, RECORD
+    PATCH_SET, REFERENCE = patch_set, SETS[patch_set]
+    RECORD = ROOT / "vllm_overlay" / "patches" / PATCH_SET / "releases.json"
+
+
+def _grouped() -> bool:
+    """Whether the selected set groups its touched files by feature."""
+    package = importlib.import_module(f"vllm_overlay.patches.{PATCH_SET}")
+    return bool(getattr(package, "FEATURES", None))
+
+
+def feature_files(reference: Sdist, patch_set: str, feature: str) -> list[str]:
+    """The touched upstream files of one FEATURE of a set that groups them
+    (``FEATURE_SOURCES``): its patch modules' targets, the vllm modules
+    its patch modules and sources import, the files it relies on."""
+    package = importlib.import_module(f"vllm_overlay.patches.{patch_set}")
+    own = [
+        str(pathlib.Path(m.__file__).relative_to(ROOT))
+        for m in package.FEATURES[feature]
+    ]
+    spec = FEATURE_SOURCES[feature]
+    files = overlay_files(own + spec["sources"], FOLLOWED_0_33)
+    return touched_files(
+        reference,
+        patch_targets(patch_set, feature),
+        files,
+        spec["relied_on"],
+        reference_version=SETS[patch_set],
+    )
+
+
+def touched_files(
+    reference: Sdist,
+    targets: list[str] | None = None,
+    files: list[pathlib.Path] | None = None,
+    relied_on: dict[str, str] = RELIED_ON,
+    reference_version: str = REFERENCE,
+) -> list[str]:
+    """The touched upstream files (paths in the vLLM tree), sorted: of the
+    v0_32 set by default; else of TARGETS, the vllm imports of FILES and
+    RELIED_ON."""
+    found = set()
+    targets = patch_targets() if targets is None else targets
+    modules = dict.fromkeys(targets, {""})
+    for module, names in imported_modules(
+        overlay_files() if files is None else files
+    ).items():
         modules.setdefault(module, set()).update(names)
-    for rel in RELIED_ON:
+    for rel in relied_on:
         if reference.read(rel) is None:
-            raise SystemExit(f"vLLM {REFERENCE} has no file {rel} (RELIED_ON)")
-        files.add(rel)
+            raise SystemExit(f"vLLM {reference_version} has no file {rel} (RELIED_ON)")
+        found.add(rel)
+    files = found
     for module, names in modules.items():
         path = reference.module_file(module)
         if path is None:
-            raise SystemExit(f"vLLM {REFERENCE} has no module {module}")
+            raise SystemExit(f"vLLM {reference_version} has no module {module}")
         files.add(path)
         for name in names - {"", "*"}:  # `from package import submodule`
             sub = reference.module_file(f"{module}.{name}")
@@ -220,7 +340,17 @@ def build(
     run on it; COMMITTED's runs and builds are kept where still valid."""
     committed, tested = committed or {}, tested or {}
     reference = _sdist(REFERENCE, offline)
-    touched = {rel: sha256(reference.read(rel)) for rel in touched_files(reference)}
+    features = {}
+    if _grouped():
+        package = importlib.import_module(f"vllm_overlay.patches.{PATCH_SET}")
+        features = {
+            feature: feature_files(reference, PATCH_SET, feature)
+            for feature in package.FEATURES
+        }
+        files = sorted({rel for rels in features.values() for rel in rels})
+    else:
+        files = touched_files(reference)
+    touched = {rel: sha256(reference.read(rel)) for rel in files}
     checked = {}
     for version in sorted(set(releases) | set(tested), key=_version_key):
         later = _sdist(version, offline)
@@ -241,6 +371,7 @@ def build(
         "patch_set": PATCH_SET,
         "reference": REFERENCE,
         "touched": touched,
+        **({"features": features} if features else {}),
         "releases": checked,
         "builds": dict(committed.get("builds", {})),
     }
@@ -307,6 +438,12 @@ def render(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--set",
+        choices=sorted(SETS),
+        default=PATCH_SET,
+        help="the patch set whose record to work on (default: %(default)s)",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if stale")
     parser.add_argument("--release", action="append", default=[])
     parser.add_argument("--offline", action="store_true", help="never download")
@@ -329,9 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.tested) != bool(args.command):
         parser.error("--tested and --command go together")
+    select(args.set)
     committed = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     if args.installed is not None:
         folder = vllm_folder(args.installed)
+        if committed.get("features"):
+            forms = version_gate.feature_forms(committed, folder)
+            for feature, (form, differ) in forms.items():
+                print(
+                    f"{folder}: {feature}: "
+                    + (f"equals {form}" if form else f"differs in {', '.join(differ)}")
+                )
+            return 0 if all(form for form, _ in forms.values()) else 1
         form, differ = version_gate.installed_form(PATCH_SET, folder)
         print(
             f"{folder}: the touched files equal {form}"
@@ -347,12 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     rel = RECORD.relative_to(ROOT)
     if args.check:
         if not RECORD.exists() or RECORD.read_text() != text:
-            print(f"{rel} is stale (run python patches/tools/release_compat.py)")
+            print(
+                f"{rel} is stale (run python patches/tools/release_compat.py "
+                f"--set {PATCH_SET})"
+            )
             return 1
     else:
         RECORD.write_text(text)
     record = json.loads(text)
     print(f"{rel}: {len(record['touched'])} touched files of vLLM {REFERENCE}")
+    for feature, files in record.get("features", {}).items():
+        print(f"  {feature}: {len(files)} of them")
     for version, result in record["releases"].items():
         if result["identical"]:
             print(f"  vLLM {version}: identical (supported by the {PATCH_SET} set)")

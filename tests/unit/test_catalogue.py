@@ -22,8 +22,14 @@ def test_patches_md_is_generated_from_the_code():
 
 
 def test_ids_unique_and_one_file_per_upstream_module():
-    ids = [p.id for entry in RELEASES for p in all_patches(entry)]
-    assert len(ids) == len(set(ids))  # across the sets too
+    """An id names one patch: unique in its set, and where two sets have
+    it, the same Patch (a set shares an earlier set's unchanged patch)."""
+    by_id = {}
+    for entry in RELEASES:
+        ids = [p.id for p in all_patches(entry)]
+        assert len(ids) == len(set(ids))
+        for patch in all_patches(entry):
+            assert by_id.setdefault(patch.id, patch) is patch, patch.id
     for entry in RELEASES:
         upstream = [m.MODULE for m in modules(entry)]
         assert len(upstream) == len(set(upstream))

@@ -144,8 +144,9 @@ def test_0_32s_ways_on_0_11_2_are_one_line_naming_0_11_2s(extra, env, head, conn
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     error, message, printed = json.loads(lines[0][7:])
     assert error == "UnsupportedVLLMVersion"
+    where = "0.32.x or 0.33.x" if connector == "SharedKVPoolConnector" else "0.32.x"
     assert message.startswith(
-        f"{head}: this overlay feature runs on vLLM 0.32.x only; found vLLM 0.11.2"
+        f"{head}: this overlay feature runs on vLLM {where} only; found vLLM 0.11.2"
     )
     assert f'"kv_connector": "{connector}"' in message
     assert printed == f"{error}: {message}\n"

@@ -23,9 +23,9 @@ CELLS = {
     "overlay (tested here)",
     "overlay (not runnable here)",
     "upstream already",
-    "refused ²",
+    "overlay (checked against 0.33's code ²)",
 }
-TARGETS = ["0.11.2 CPU", "0.11.2 GPU", "0.32 CPU", "0.32 GPU", "0.33 ¹"]
+TARGETS = ["0.11.2 CPU", "0.11.2 GPU", "0.32 CPU", "0.32 GPU", "0.33 GPU ¹"]
 FEATURES = [
     "cross-layer KV blocks",
     "fast block transfers / host offloading",
@@ -74,19 +74,24 @@ def test_the_table_has_one_known_value_per_cell():
 
 
 def test_the_table_agrees_with_the_version_gate():
-    """0.33 gets nothing of the overlay while the gate refuses it; 0.32 and
-    0.11.2 are supported, with the PP budget on both and the pool tier on
-    0.32 (version_gate.FEATURE_RELEASES)."""
+    """0.32 and 0.11.2 are supported, with the PP budget on both and the
+    pool tier on 0.32; on 0.33 (GPU only) the overlay has the pool tier and
+    the PP budget, checked against its code, and refuses the CPU-platform
+    features (version_gate.FEATURE_RELEASES, NO_CPU_BUILD)."""
     table = first_table()
-    assert not version_gate.is_supported_version("0.33.0")
-    assert all("overlay" not in row["0.33 ¹"] for row in table.values())
     assert version_gate.is_supported_version("0.32.0")
     assert version_gate.is_supported_version("0.11.2")
     assert version_gate.feature_runs_on("pp_prop_kv_cache", "0.32.0")
     assert version_gate.feature_runs_on("pool_tier", "0.32.0")
     for feature in ("pipeline-parallel KV budget", "shared KV pool on Redis/Valkey"):
         assert table[feature]["0.32 CPU"] == "overlay (tested here)"
-        assert table[feature]["0.33 ¹"] == "refused ²"
+        assert table[feature]["0.33 GPU ¹"] == "overlay (checked against 0.33's code ²)"
+    assert version_gate.feature_runs_on("pp_prop_kv_cache", "0.33.0")
+    assert version_gate.feature_runs_on("pool_tier", "0.33.0")
+    assert not version_gate.feature_runs_on("cpu_platform", "0.33.0")
+    assert "0.33.x" in version_gate.NO_CPU_BUILD
+    for feature in ("cross-layer KV blocks", "fast block transfers / host offloading"):
+        assert table[feature]["0.33 GPU ¹"] == "upstream already"
 
 
 def test_the_lines_that_turn_features_on_are_accepted_configurations():

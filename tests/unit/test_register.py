@@ -93,7 +93,7 @@ def test_wrong_vllm_version_warns_and_patches_nothing():
     assert rc == 0, log
     assert result["first"] == "unsupported vLLM 0.12.0"
     assert result["states"] == 0 and not result["has_keyword"]
-    assert "supports vLLM 0.11.2 or 0.32.x only; found vLLM 0.12.0" in log
+    assert "supports vLLM 0.11.2, 0.32.x or 0.33.x only; found vLLM 0.12.0" in log
     assert log.count("nothing patched") == 1  # one warning, not one per call
 
 

@@ -22,10 +22,11 @@ from vllm_overlay import configured, version_gate
 
 VERSION = "0.12.0"
 HEAD = (
-    f"vllm-overlay 0.1.0 supports vLLM 0.11.2 or 0.32.x only; found vLLM {VERSION}. "
+    "vllm-overlay 0.1.0 supports vLLM 0.11.2, 0.32.x or 0.33.x only; "
+    f"found vLLM {VERSION}. "
     "This configuration uses the overlay, which does not run on it: "
 )
-TAIL = " Install vLLM 0.11.2 or 0.32.x, or remove it to run stock vLLM."
+TAIL = " Install vLLM 0.11.2, 0.32.x or 0.33.x, or remove it to run stock vLLM."
 
 PRELUDE = """
 import contextlib, io, json, sys, vllm
@@ -248,7 +249,8 @@ def test_no_overlay_feature_runs_stock_vllm():
     assert results["patch_states"] == 0  # nothing of vLLM patched
     assert results["outcome"] == f"unsupported vLLM {VERSION}"
     warning = (
-        f"supports vLLM 0.11.2 or 0.32.x only; found vLLM {VERSION}: nothing patched"
+        "supports vLLM 0.11.2, 0.32.x or 0.33.x only; "
+        f"found vLLM {VERSION}: nothing patched"
     )
     assert log.count(warning) == 1  # one warning, in the one process
     assert results["factory_by_name"] == refused("kv_connector 'SharedKVPoolConnector'")
@@ -256,8 +258,8 @@ def test_no_overlay_feature_runs_stock_vllm():
 
 def test_supported_set_is_one_list():
     """Each release line is one entry of RELEASES (with its patch set)."""
-    assert version_gate.SUPPORTED_RELEASES == ("0.11.2", "0.32.x")
-    assert version_gate.supported_text() == "0.11.2 or 0.32.x"
+    assert version_gate.SUPPORTED_RELEASES == ("0.11.2", "0.32.x", "0.33.x")
+    assert version_gate.supported_text() == "0.11.2, 0.32.x or 0.33.x"
     assert version_gate.release_entry("0.32.0+cpu") == "0.32.x"
     assert version_gate.release_entry("0.11.2+cpu") == "0.11.2"
     assert version_gate.is_supported_version("0.32.0")
@@ -265,11 +267,13 @@ def test_supported_set_is_one_list():
     # register() then checks its files (test_a_0_32_release_runs_only_...)
     assert version_gate.is_supported_version("0.11.2")
     assert not version_gate.is_supported_version("0.11.3")
-    assert not version_gate.is_supported_version("0.33.0")
+    assert version_gate.release_entry("0.33.0") == "0.33.x"  # its own set
+    assert not version_gate.is_supported_version("0.34.0")
     assert not version_gate.is_supported_version("0.32.1rc1")
     error = version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0")
-    assert "supports vLLM 0.11.2 or 0.32.x only; found vLLM 0.12.0" in str(error)
-    assert "Install vLLM 0.11.2 or 0.32.x" in str(error)
+    supports = "supports vLLM 0.11.2, 0.32.x or 0.33.x only; found vLLM 0.12.0"
+    assert supports in str(error)
+    assert "Install vLLM 0.11.2, 0.32.x or 0.33.x" in str(error)
 
 
 def test_doctor_says_an_overlay_switch_is_an_error(monkeypatch):
@@ -302,7 +306,7 @@ def test_a_feature_of_one_release_is_refused_on_the_other():
     error = str(
         version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0", "connectors")
     )
-    assert "supports vLLM 0.11.2 or 0.32.x only; found vLLM 0.12.0" in error
+    assert "supports vLLM 0.11.2, 0.32.x or 0.33.x only; found vLLM 0.12.0" in error
 
 
 # -- later releases supported through the record (release_compat.py) ------------
@@ -366,7 +370,7 @@ def test_the_committed_record_says_which_files_moved_in_0_33():
     assert "vllm/v1/kv_offload/cpu/spec.py" in result["differs"]
     assert set(result["differs"]) <= set(record["touched"])
     assert "0.33.0" not in version_gate.RELEASES
-    assert not version_gate.is_supported_version("0.33.0")
+    assert version_gate.RELEASES["0.33.x"] == "v0_33"  # not the v0_32 set
 
 
 def _installed(monkeypatch, tmp_path) -> None:
@@ -516,7 +520,7 @@ def test_the_pool_tier_on_0_11_2_is_refused_naming_the_connector():
     }
     error = configured.engine_refusal({"kv_transfer_config": config}, "0.11.2")
     message = str(error)
-    assert "runs on vLLM 0.32.x only; found vLLM 0.11.2" in message
+    assert "runs on vLLM 0.32.x or 0.33.x only; found vLLM 0.11.2" in message
     assert _config_in(message)["kv_connector"] == "SharedKVPoolConnector"
     # Nested in a MultiConnector too; and not refused on 0.32.
     multi = {
@@ -531,10 +535,10 @@ def test_a_release_newer_than_supported_gets_upstreams_way():
     message = str(
         version_gate.unsupported_error(
             ["kv_connector 'OverlayOffloadingConnector'", "--enable-pp-prop-kv-cache"],
-            "0.33.0",
+            "0.34.0",
         )
     )
-    assert "On vLLM 0.33.0 use upstream's OffloadingConnector" in message
+    assert "On vLLM 0.34.0 use upstream's OffloadingConnector" in message
     assert "drop the flag" in message
     # An older unsupported release: nothing named (nothing known to work).
     older = str(version_gate.unsupported_error(["kv_connector 'X'"], "0.12.0"))

@@ -115,7 +115,9 @@ def _register_line(lines: list[str], deep: bool, version: str) -> str | None:
         lines.append(_head("platform", "not checked (--deep imports vLLM)"))
         outcome = checks.expected_outcome(version)
         lines.append(_head("register()", f"will be: {outcome} (--deep runs it)"))
-        return outcome
+        if outcome.startswith("an error"):
+            return None
+        return "applied" if outcome.startswith("applied") else outcome
     from vllm.platforms import current_platform
 
     lines.append(
@@ -143,7 +145,7 @@ def _skip_error(entry: str) -> str | None:
 
 def _features(lines: list[str], entry: str | None, version: str, outcome: str) -> None:
     """The features this vLLM can use, each with the line that turns it on."""
-    from vllm_overlay.features import FEATURES
+    from vllm_overlay.features import FEATURES, NOTES
     from vllm_overlay.version_gate import RELEASES, supported_text
 
     if entry is None:
@@ -156,6 +158,7 @@ def _features(lines: list[str], entry: str | None, version: str, outcome: str) -
     table = FEATURES[RELEASES[entry]]
     width = max(len(feature.name) for feature in table)
     lines.extend(f"  {f.name:<{width}}  {f.how}" for f in table)
+    lines.extend(f"  ({note})" for note in NOTES.get(RELEASES[entry], ()))
 
 
 def _patches(lines: list[str], entry: str, deep: bool, outcome: str) -> int:

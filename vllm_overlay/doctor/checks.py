@@ -53,6 +53,23 @@ def expected_outcome(version: str | None) -> str:
         refused = envs.env_features()
         error = f"; an error: {', '.join(refused)}" if refused else ""
         return f"unsupported vLLM {version}{error}"
+    from vllm_overlay.version_gate import (
+        REFUSED_HERE,
+        UnsupportedVLLMVersion,
+        check_installed_release,
+        release_entry,
+    )
+
+    try:
+        check_installed_release(release_entry(version), version)
+    except UnsupportedVLLMVersion as exc:
+        return f"an error: {exc}"
+    refused = [name for name, (where, _) in REFUSED_HERE.items() if where == version]
+    if refused:  # the per-feature gate (a set whose record groups by feature)
+        return (
+            f"applied; refused here: {', '.join(refused)} (their upstream "
+            "files differ from the tested ones; --deep names them)"
+        )
     return "applied"
 
 

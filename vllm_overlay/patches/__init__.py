@@ -14,7 +14,12 @@ from types import ModuleType
 
 from vllm_overlay import envs
 from vllm_overlay.core.patching import REGISTRY, Patch
-from vllm_overlay.version_gate import RELEASES, installed_vllm_version, release_entry
+from vllm_overlay.version_gate import (
+    REFUSED_HERE,
+    RELEASES,
+    installed_vllm_version,
+    release_entry,
+)
 
 
 def patch_set(entry: str | None = None) -> ModuleType:
@@ -48,6 +53,23 @@ def apply_all(entry: str | None = None) -> None:
         install_hook()  # uncaught: printed as its one line
         raise envs.BadSetting(error)
     skipped = set(envs.SKIP_PATCHES.items())
+    refused = refused_patches(entry)
     for patch in patches:
         reason = f"skipped by {envs.SKIP_PATCHES.name}" if patch.id in skipped else None
-        REGISTRY.add(patch, skip_reason=reason)
+        REGISTRY.add(patch, skip_reason=refused.get(patch.id, reason))
+
+
+def refused_patches(entry: str | None = None) -> dict[str, str]:
+    """Patch id -> why it is not applied: the patches of the features the
+    per-feature gate refused on the installed vLLM (a set's ``FEATURES``:
+    feature -> its patch modules; ``version_gate.REFUSED_HERE``)."""
+    version = installed_vllm_version()
+    out = {}
+    for feature, patch_modules in getattr(patch_set(entry), "FEATURES", {}).items():
+        refused = REFUSED_HERE.get(feature)
+        if refused is None or refused[0] != version:
+            continue
+        for module in patch_modules:
+            for patch in module.PATCHES:
+                out[patch.id] = f"refused: {feature}'s upstream files differ"
+    return out
