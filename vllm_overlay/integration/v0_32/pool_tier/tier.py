@@ -193,8 +193,11 @@ class SharedPoolTier(SecondaryTierManager):
         """The store thread (or submit_store): the chunks are free again.
         A store succeeds when every chunk is in the pool; one that was not
         (dropped over the in-flight limit, writes paused, or failed) fails:
-        upstream counts it as a failed cascade and keeps it out of its
-        back-pressure detector.  ``transfer_bytes``: the chunks written."""
+        upstream counts it as a failed cascade.  Its back-pressure detector
+        takes successful stores only on 0.32; 0.33 also tells it of failed
+        ones, which count only with ``backpressure.failure_threshold`` set
+        (then a pool that drops stores throttles the cascades to it).
+        ``transfer_bytes``: the chunks written."""
         with self._stores_lock:
             start = self._stores.pop(job_id, None)
             if start is None:
