@@ -1,8 +1,9 @@
-"""Run vLLM 0.32.0's own tests with and without the overlay; compare.
+"""Run vLLM 0.32.0's (or 0.33.0's) own tests with and without the overlay; compare.
 
     python patches/tools/run_upstream_tests_032.py            # SELECT, both runs
     python patches/tools/run_upstream_tests_032.py --keep -k factory
     python patches/tools/run_upstream_tests_032.py --python .venv-0.32/bin/python
+    python patches/tools/run_upstream_tests_032.py --version 0.33.0
 
 The tests of the modules the v0_32 set patches or plugs into (``SELECT``:
 ``tests/v1/kv_offload``, the offloading connector's unit tests,
@@ -16,6 +17,8 @@ installed vLLM of the 0.32 harness (``--python``, default
 with ``VLLM_OVERLAY_DISABLE=1`` (stock) and without (the overlay).  In both
 runs vLLM's general plugins are loaded once at session start, as every
 vLLM process does, so the overlay's patches are in place for every test.
+What each release runs and leaves out, and its harness, is in
+``upstream_test_lists.py`` (``RELEASES``, by ``--version``).
 
 Offline, the tests that build a model config find one: the tree holds a
 Hugging Face cache (``HUB_MODELS``, ``HF_HUB_CACHE``) with the
@@ -39,10 +42,10 @@ cache, model-parallel groups, the distributed environment;
 ``gc.collect(1)``).  None of the selected tests sets up a distributed
 environment or holds GPU memory.
 
-Left out (``DESELECT``, ``DESELECT_TESTS``, each with why): what needs a
-GPU (CUDA streams and kernels), what needs a network or another process
-(NIXL, ZMQ), what runs only in spawned processes (no plugin loads there),
-and the two engine tests on a model's weights.
+Left out (each release's ``deselect``, ``deselect_tests``, with why):
+what needs a GPU (CUDA streams and kernels), what needs a network or
+another process (NIXL, ZMQ), what runs only in spawned processes (no
+plugin loads there), and the two engine tests on a model's weights.
 
 Measured on a 2-core machine shared with other test runs
 (``python patches/tools/run_upstream_tests_032.py --python
@@ -55,6 +58,30 @@ tests inspect OPT and Qwen3 in subprocesses): 209 s wall (load average
 is vLLM's and the tests' imports.  Before the cache of model configs and
 the lighter cleanup: 1044 tests a run, 903 passed, 10 skipped, 131 failed,
 1270 s wall.
+
+On vLLM 0.33.0 (``--version 0.33.0``: its sdist's tests, against
+``.venv-0.33``, vLLM 0.33.0 built Python-only over the 0.32 harness, run
+with ``VLLM_TARGET_DEVICE=cpu``, without which vLLM infers no platform):
+the same SELECT, which holds what the v0_33 set patches (PT32-01 in the
+connector, PP32-01..03 in ``EngineArgs``; PP33-04 wraps the engine core's
+``get_kv_cache_configs``, which no selected test reaches), and 0.32's
+deselections, plus the engine test
+``test_tiering_cache_reset_resumes_promotions_on_idle_engine``: it starts
+an ``LLM()`` with the OffloadingConnector on CPU, which failed in both
+runs: stock at ``vllm._C``'s ``init_cpu_memory_env`` (the Python-only
+build has no compiled extensions), with the overlay earlier, at
+``create_engine_config``, by design (the connector on 0.33's CPU platform
+is a CPU-platform feature the overlay refuses there; stock 0.33's
+CPUOffloadingSpec refuses it too, later: its worker runs on CUDA-alike and
+XPU only).  Measured (``VLLM_TARGET_DEVICE=cpu
+VLLM_CACHE_ROOT=.tox/vllm-cache/0.33 python
+patches/tools/run_upstream_tests_032.py --version 0.33.0 --python
+.venv-0.33/bin/python``; ``VLLM_TARGET_DEVICE`` and ``--python`` are
+its defaults), the model-info cache warm: 1246 tests a run, 1224 passed
+and 22 skipped in both (CUDA only, or the fs tier's C extension;
+``test_kvcr_tier.py`` skipped whole, no ``kvcr``, as on 0.32).  Both runs
+at once: 49 s and 46 s wall (load average 1.3-2.1); the session's first
+run, 92 s.
 
 Each test's outcome (passed, failed, error, skipped) is recorded by a
 small plugin in the tree; the two runs must agree test by test.  Printed:
@@ -79,43 +106,9 @@ TOOLS = pathlib.Path(__file__).resolve().parent
 ROOT = TOOLS.parents[1]
 sys.path.insert(0, str(TOOLS))
 import fetch_sdist  # noqa: E402
+from upstream_test_lists import RELEASES, Release  # noqa: E402
 
 VERSION = "0.32.0"
-SELECT = [
-    "tests/v1/kv_offload",
-    "tests/v1/kv_connector/unit/offloading_connector",
-    "tests/v1/kv_connector/unit/test_offloading_connector.py",
-    "tests/engine/test_arg_utils.py",
-]
-SPAWNED = (
-    "the region is exercised in spawned processes, which load no vLLM "
-    "plugin (the overlay cannot change them) and take about 60 s together"
-)
-WEIGHTS = (
-    "an engine (LLM()) on meta-llama/Llama-3.2-1B-Instruct's weights, which "
-    "the offline runs do not have"
-)
-# paths under SELECT left out -> why (they fail or hang alike in both runs)
-DESELECT = {
-    "tests/v1/kv_offload/cpu/test_gpu_worker.py": "CUDA streams and copies",
-    "tests/v1/kv_offload/cpu/test_swap_blocks_batch.py": "a CUDA kernel",
-    "tests/v1/kv_offload/cpu/test_swap_blocks_triton.py": "a Triton GPU kernel",
-    "tests/v1/kv_offload/tiering/p2p": "peer-to-peer transport (ZMQ, NIXL)",
-    "tests/v1/kv_offload/tiering/test_obj_tier.py": "the object store over NIXL",
-}
-# single tests left out -> why
-DESELECT_TESTS = {
-    "tests/v1/kv_offload/cpu/test_shared_offload_region.py::"
-    "test_mp_barrier_unlinks_file_and_survives_sigkill": SPAWNED,
-    "tests/v1/kv_offload/cpu/test_shared_offload_region.py::"
-    "test_multiprocess_race_construct_and_write": SPAWNED,
-    "tests/v1/kv_offload/cpu/test_shared_offload_region.py::"
-    "test_create_next_worker_view_multiprocess_slots": SPAWNED,
-    "tests/v1/kv_connector/unit/test_offloading_connector.py::"
-    "test_tiering_offloading": WEIGHTS,
-    "tests/v1/kv_connector/unit/test_offloading_connector.py::"
-    "test_fs_tiering_offloading": WEIGHTS,
-}
 MARKERS = [
     "slow_test",
     "skip_global_cleanup",
@@ -251,8 +244,18 @@ HUB_REVISION = "0" * 40
 TBLIB = "def install(*args, **kwargs):\n    pass\n"
 
 
-def default_python() -> pathlib.Path:
-    venv = os.environ.get("OVERLAY_VENV_0_32") or str(ROOT / ".venv-0.32")
+def release(version: str) -> Release:
+    """VERSION's lists and harness (upstream_test_lists.RELEASES)."""
+    if version not in RELEASES:
+        known = ", ".join(RELEASES)
+        raise SystemExit(f"no test lists for vLLM {version} (known: {known})")
+    return RELEASES[version]
+
+
+def default_python(version: str = VERSION) -> pathlib.Path:
+    """The python of VERSION's harness: $OVERLAY_VENV_0_3x, else .venv-0.3x."""
+    lists = release(version)
+    venv = os.environ.get(lists.venv_env) or str(ROOT / lists.venv)
     return pathlib.Path(venv) / "bin" / "python"
 
 
@@ -291,10 +294,13 @@ def build_tree(tree: pathlib.Path, version: str, python: pathlib.Path) -> None:
     (tree / "pytest.ini").write_text(f"[pytest]\nmarkers =\n{lines}")
 
 
-def run_env(tree: pathlib.Path, kind: str, environ: dict) -> dict:
-    """The environment of one run (KIND: stock or overlay) from ENVIRON."""
+def run_env(
+    tree: pathlib.Path, kind: str, environ: dict, defaults: dict | None = None
+) -> dict:
+    """The environment of one run (KIND: stock or overlay) from ENVIRON,
+    with ENV_DEFAULTS and the release's DEFAULTS where ENVIRON has none."""
     env = dict(environ)
-    for name, value in ENV_DEFAULTS.items():
+    for name, value in {**ENV_DEFAULTS, **(defaults or {})}.items():
         env.setdefault(name, value)
     # PYTEST_ADDOPTS: this project's pytest options (tox's [testenv] gives
     # each env's --junitxml, which both runs would overwrite at once)
@@ -311,18 +317,18 @@ def run_env(tree: pathlib.Path, kind: str, environ: dict) -> dict:
     return env
 
 
-def start(tree, python, overlay: bool, pytest_args: list[str]):
-    """Start one run (stock or the overlay) of the tests; see ``finish``."""
+def start(tree, python, lists: Release, overlay: bool, pytest_args: list[str]):
+    """Start one run (stock or the overlay) of LISTS' tests; see ``finish``."""
     kind = "overlay" if overlay else "stock"
-    env = run_env(tree, kind, dict(os.environ))
+    env = run_env(tree, kind, dict(os.environ), lists.env)
     os.makedirs(env["TMPDIR"])
     command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     command += ["-p", "_outcomes", "-c", str(tree / "pytest.ini")]
     command += ["--rootdir", str(tree), "--basetemp", str(tree / f".pytest-{kind}")]
-    command += [f"--ignore={path}" for path in DESELECT]
-    command += [f"--deselect={test}" for test in DESELECT_TESTS]
+    command += [f"--ignore={path}" for path in lists.deselect]
+    command += [f"--deselect={test}" for test in lists.deselect_tests]
     if not any(a.startswith("tests/") for a in pytest_args):
-        command += SELECT
+        command += lists.select
     log = open(tree / f"{kind}.log", "w")  # noqa: SIM115 - closed in finish
     proc = subprocess.Popen(
         command + pytest_args, cwd=tree, env=env, stdout=log, stderr=log
@@ -378,18 +384,21 @@ def compare(stock: dict, overlay: dict) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--version", default=VERSION)
-    parser.add_argument("--python", type=pathlib.Path, default=default_python())
+    parser.add_argument(
+        "--python", type=pathlib.Path, help="default: the --version's harness"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the tree")
     args, pytest_args = parser.parse_known_args(argv)
     pytest_args = [a for a in pytest_args if a != "--"]
+    lists = release(args.version)
     # the runs' working directory is the tree; a venv's python is a link
     # that must stay one (its venv is found from it)
-    args.python = args.python.absolute()
-    tree = pathlib.Path(tempfile.mkdtemp(prefix="vllm-032-tests-"))
+    args.python = (args.python or default_python(args.version)).absolute()
+    tree = pathlib.Path(tempfile.mkdtemp(prefix=f"vllm-{args.version}-tests-"))
     try:
         build_tree(tree, args.version, args.python)
         # the two runs at once (one core each)
-        runs = [start(tree, args.python, o, pytest_args) for o in (False, True)]
+        runs = [start(tree, args.python, lists, o, pytest_args) for o in (False, True)]
         (stock, stock_s), (overlay, overlay_s) = [finish(r) for r in runs]
     finally:
         if args.keep:

@@ -1,6 +1,6 @@
-"""patches/tools/run_upstream_tests_032.py: vLLM 0.32.0's own tests with
-and without the overlay must agree test by test (the run itself is in tox's
-``patches`` environment)."""
+"""patches/tools/run_upstream_tests_032.py: vLLM 0.32.0's (or 0.33.0's) own
+tests with and without the overlay must agree test by test (the 0.32 run
+itself is in tox's ``patches`` environment)."""
 
 from __future__ import annotations
 
@@ -29,28 +29,66 @@ def test_a_test_that_fails_only_with_the_overlay_is_a_difference():
 
 
 def test_the_selection_covers_what_the_overlay_plugs_into():
-    assert set(runner.SELECT) >= {
-        "tests/v1/kv_offload",
-        "tests/v1/kv_connector/unit/offloading_connector",
-        "tests/engine/test_arg_utils.py",
+    assert set(runner.RELEASES) == {"0.32.0", "0.33.0"}
+    assert runner.VERSION in runner.RELEASES
+    for version, lists in runner.RELEASES.items():
+        assert set(lists.select) >= {
+            "tests/v1/kv_offload",
+            "tests/v1/kv_connector/unit/offloading_connector",
+            "tests/engine/test_arg_utils.py",
+        }, version
+        for path, why in [*lists.deselect.items(), *lists.deselect_tests.items()]:
+            assert why and any(path.startswith(s) for s in lists.select), path
+        # the tests of what the v0_32 and v0_33 sets patch run whole: the
+        # CPU spec and manager (OF32-01), the tiering spec (OF32-02), the
+        # factory, the connector's scheduler (OF32-06, PT32-01) and worker
+        # (OF32-04)
+        touched = [
+            "tests/v1/kv_offload/cpu/test_manager.py",
+            "tests/v1/kv_offload/tiering/test_tiering_offloading.py",
+            "tests/v1/kv_offload/tiering/test_factory.py",
+            "tests/v1/kv_offload/test_factory.py",
+            "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
+            "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
+        ]
+        left_out = [*lists.deselect, *lists.deselect_tests]
+        for path in touched:
+            assert not [o for o in left_out if o.startswith(path)], (version, path)
+            assert not [o for o in lists.deselect if path.startswith(o)], path
+    # 0.33 leaves out what 0.32 does, and one engine test more
+    old, new = runner.RELEASES["0.32.0"], runner.RELEASES["0.33.0"]
+    assert new.deselect == old.deselect
+    assert set(new.deselect_tests) - set(old.deselect_tests) == {
+        "tests/v1/kv_connector/unit/test_offloading_connector.py::"
+        "test_tiering_cache_reset_resumes_promotions_on_idle_engine"
     }
-    for path, why in [*runner.DESELECT.items(), *runner.DESELECT_TESTS.items()]:
-        assert why and any(path.startswith(s) for s in runner.SELECT), path
-    # the tests of what the v0_32 set patches run whole: the CPU spec and
-    # manager (OF32-01), the tiering spec (OF32-02), the factory, the
-    # connector's scheduler (OF32-06) and worker (OF32-04)
-    touched = [
-        "tests/v1/kv_offload/cpu/test_manager.py",
-        "tests/v1/kv_offload/tiering/test_tiering_offloading.py",
-        "tests/v1/kv_offload/tiering/test_factory.py",
-        "tests/v1/kv_offload/test_factory.py",
-        "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
-        "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
-    ]
-    left_out = [*runner.DESELECT, *runner.DESELECT_TESTS]
-    for path in touched:
-        assert not [o for o in left_out if o.startswith(path)], path
-        assert not [o for o in runner.DESELECT if path.startswith(o)], path
+
+
+def test_each_release_runs_on_its_own_harness(monkeypatch):
+    monkeypatch.delenv("OVERLAY_VENV_0_32", raising=False)
+    monkeypatch.setenv("OVERLAY_VENV_0_33", "/elsewhere/venv")
+    assert runner.default_python() == ROOT / ".venv-0.32" / "bin" / "python"
+    assert runner.default_python("0.33.0") == pathlib.Path("/elsewhere/venv/bin/python")
+    try:
+        runner.release("0.31.0")
+    except SystemExit as refused:
+        assert "0.32.0, 0.33.0" in str(refused)
+    else:
+        raise AssertionError("no lists for 0.31.0, yet no refusal")
+    # 0.33's Python-only build infers no platform without VLLM_TARGET_DEVICE
+    lists = runner.RELEASES["0.33.0"]
+    env = runner.run_env(pathlib.Path("/t"), "stock", {}, lists.env)
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    given = {"VLLM_TARGET_DEVICE": "empty"}
+    assert (
+        runner.run_env(pathlib.Path("/t"), "stock", given, lists.env)[
+            "VLLM_TARGET_DEVICE"
+        ]
+        == "empty"
+    )  # a caller's own value kept
+    assert "VLLM_TARGET_DEVICE" not in runner.run_env(
+        pathlib.Path("/t"), "stock", {}, runner.RELEASES["0.32.0"].env
+    )
 
 
 def test_the_offline_runs_find_the_models_the_tests_name(tmp_path):

@@ -177,3 +177,28 @@ def test_0_11_2s_connectors_on_0_33_name_upstreams_way():
     message = str(error)
     assert "runs on vLLM 0.11.2 only; found vLLM 0.33.0" in message
     assert "the pool tier: upstream's OffloadingConnector" in message
+
+
+def test_doctor_says_what_runs_on_0_33_and_how_far_it_was_checked():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    report = done.stdout
+    assert "register()   will be: applied" in report, report + done.stderr
+    features_at = report.index("features on vLLM 0.33.0")
+    listed = report[features_at:].split("\n\n", 1)[0].splitlines()[1:]
+    names = [line.split("  ")[1] for line in listed if not line.startswith("  (")]
+    assert names == ["shared KV pool", "PP KV budget"]
+    notes = [line.strip() for line in listed if line.startswith("  (")]
+    assert notes == [f"({note})" for note in features.NOTES["v0_33"]]
+    assert "never run in a 0.33 GPU engine" in notes[0]
+    assert "refused, no CPU build of vLLM 0.33 exists" in notes[1]
+    for patch_id in ("PT32-01", "PP32-01", "PP32-02", "PP32-03", "PP33-04"):
+        assert f"  {patch_id}  " in report

@@ -205,3 +205,45 @@ def test_0_33s_manager_publishes_the_tier_with_its_label(server):
         assert any(m[TIER_LABEL].endswith("SharedPoolTier") for m in tiers), info
     finally:
         manager.shutdown()
+
+
+def test_0_33s_offloading_config_names_the_model_config(monkeypatch):
+    """PT32-01 on 0.33: the config upstream's OffloadingConnector builds
+    (its build_offloading_config, from the engine's KV cache config) lists
+    vLLM's own hashes of the model and cache configs, which the pool tier
+    namespaces its keys by and refuses to start without."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_overlay.integration.v0_32.pool_tier import identity
+    from vllm_overlay.patches.v0_32.patch_offloading_connector import (
+        kv_identity_factors,
+    )
+    from vllm_overlay.testing import tiny_model_path
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+    from support.engine_core_v033 import initialize
+
+    config = EngineArgs(
+        model=tiny_model_path(),
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=8 * 2**20,
+    ).create_engine_config()
+    (kv_cache_config,) = initialize(config)
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        engine_id="e",
+        kv_connector_extra_config={"cpu_bytes_to_use": 2**24},
+    )
+    built = offloading_connector.build_offloading_config(config, kv_cache_config)
+    assert built.extra_config["kv_identity"] == kv_identity_factors(config)
+    assert (
+        f"model-hash={config.model_config.compute_hash()}"
+        in (built.extra_config["kv_identity"])
+    )
+    # what the tier namespaces its keys by, from 0.33's config
+    factors = identity.tier_factors(built, 4096, "")
+    assert set(kv_identity_factors(config)) <= set(factors)
