@@ -20,6 +20,12 @@ run passed.  So 0.32.0 from the tested wheel runs, and a 0.32 patch
 release (0.32.1, 0.32.7.post1) runs only where it did not change those
 files; otherwise ``register()`` raises the startup error naming them.
 
+A set whose record groups its touched files by feature (v0_33: the pool
+tier, the PP budget; ``release_compat.py --set v0_33``) is checked feature
+by feature instead: a feature whose files differ is refused alone
+(``REFUSED_HERE``: its patches are not applied and configuring it is the
+startup error naming the files), and the release still runs the others.
+
 Importing this module imports neither vLLM nor torch.
 """
 
@@ -402,7 +408,7 @@ def _check_features(
             f"these installed files differ: {', '.join(changed)} (in "
             f"{vllm_dir}).",
         )
-        found.append(f"{feature}: refused, {len(changed)} files differ")
+        found.append(f"{feature}: refused ({', '.join(changed)} differ)")
     return "; ".join(found)
 
 

@@ -103,7 +103,8 @@ def test_a_changed_pool_tier_file_refuses_the_pool_tier_alone(
     version = version_gate.installed_vllm_version()
     found = version_gate.check_installed_release("0.33.x", version)
     assert found == (
-        "pool_tier: refused, 1 files differ; pp_prop_kv_cache: vLLM 0.33.0 (sdist)"
+        "pool_tier: refused (vllm/v1/kv_offload/tiering/manager.py differ); "
+        "pp_prop_kv_cache: vLLM 0.33.0 (sdist)"
     )
     assert not version_gate.feature_runs_on("pool_tier", version)
     assert version_gate.feature_runs_on("pp_prop_kv_cache", version)
