@@ -203,3 +203,21 @@ def test_doctor_says_what_runs_on_0_33_and_how_far_it_was_checked():
     assert "refused, no CPU build of vLLM 0.33 exists" in notes[1]
     for patch_id in ("PT32-01", "PP32-01", "PP32-02", "PP32-03", "PP33-04"):
         assert f"  {patch_id}  " in report
+
+
+def test_0_33s_front_end_takes_the_pool_tier_as_on_a_gpu(monkeypatch):
+    """0.33's create_engine_config with the plugin loaded, the platform
+    question answered as on a GPU: the README's pool line is accepted
+    (the tier's options checked in the front end, as on 0.32), and a bad
+    option is refused there by name."""
+    from vllm.config import KVTransferConfig
+
+    monkeypatch.setattr(configured, "_on_cpu_platform", lambda: False)
+    pool = _kv(POOL_LINE)
+    config = _front_end(monkeypatch, kv_transfer_config=KVTransferConfig(**pool))
+    (tier,) = config.kv_transfer_config.kv_connector_extra_config["secondary_tiers"]
+    assert tier["module_path"] == "vllm_overlay.integration.v0_32.pool_tier"
+    bad = _kv(POOL_LINE)
+    bad["kv_connector_extra_config"]["secondary_tiers"][0]["no_such_option"] = 1
+    with pytest.raises(ValueError, match="no_such_option"):
+        _front_end(monkeypatch, kv_transfer_config=KVTransferConfig(**bad))
