@@ -97,3 +97,11 @@ def step():
 
 def host_holds(manager, k, ctx) -> bool:
     return manager.primary_tier.lookup(k, ctx) is LookupResult.HIT
+
+
+def counters(manager) -> dict:
+    """Upstream's tiering counters for the pool tier (tier #1)."""
+    stats = manager.get_stats()
+    reduced = stats.reduce() if stats is not None else {}
+    label = "('1:SharedPoolTier',)"
+    return {k[: -len(label) - 1]: v for k, v in reduced.items() if k.endswith(label)}

@@ -33,6 +33,7 @@ from support.tiering_manager import (  # noqa: E402
     FAST,
     PAGE,
     TIER,
+    counters,
     finished,
     host_holds,
     keys,
@@ -46,14 +47,6 @@ from vllm_overlay.core.pool import codec  # noqa: E402
 
 CASCADE_FAILURES = TieringOffloadingMetrics.CASCADE_JOB_FAILURES
 WRITE_BYTES = TieringOffloadingMetrics.WRITE_BYTES
-
-
-def counters(manager) -> dict:
-    """Upstream's tiering counters for the pool tier (tier #1)."""
-    stats = manager.get_stats()
-    reduced = stats.reduce() if stats is not None else {}
-    label = "('1:SharedPoolTier',)"
-    return {k[: -len(label) - 1]: v for k, v in reduced.items() if k.endswith(label)}
 
 
 def slowed(tier, name: str, delay_s: float, once: bool = False):

@@ -35,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from support.redis_server import RedisServer  # noqa: E402
 from support.tiering_manager import (  # noqa: E402
     FAST,
+    counters,
     finished,
     host_holds,
     keys,
@@ -76,13 +77,6 @@ def stored_rows(n: int) -> list[bytes]:
     from support.tiering_manager import PAGE
 
     return [bytes([i + 1]) * PAGE for i in range(n)]
-
-
-def counters(manager) -> dict:
-    stats = manager.get_stats()
-    reduced = stats.reduce() if stats is not None else {}
-    label = "('1:SharedPoolTier',)"
-    return {k[: -len(label) - 1]: v for k, v in reduced.items() if k.endswith(label)}
 
 
 def test_promotions_wait_for_the_reset_fence_then_load_the_pools_bytes(server):
