@@ -13,6 +13,8 @@ server).  Here, on top:
   for byte;
 * 0.33's scheduler holds the manager's lock across a step: the tier's
   lookups, promotions and stores run under it and never wait for it;
+* a value changed in the pool: its promotion alone fails, the others load
+  byte for byte, the value is deleted and its key is a miss from then on;
 * a stopped server: lookups become misses within the deadline, cascades
   fail (reported, counted), and the tier stores and loads again once the
   server is back;
@@ -46,6 +48,7 @@ from support.tiering_manager import (  # noqa: E402
 )
 
 CASCADE_FAILURES = TieringOffloadingMetrics.CASCADE_JOB_FAILURES
+PROMOTION_FAILURES = TieringOffloadingMetrics.PROMOTION_JOB_FAILURES
 
 
 @pytest.fixture
@@ -109,6 +112,51 @@ def test_promotions_wait_for_the_reset_fence_then_load_the_pools_bytes(server):
         assert sorted(rows) == sorted(stored_rows(3))
     finally:
         manager.shutdown()
+
+
+def test_a_refused_value_fails_its_promotion_only(server):
+    """Another node's value changed in the pool (one bit): 0.33's manager
+    promotes the other keys byte for byte, the changed one's load fails
+    (the tier refuses the value and deletes it), the host tier never holds
+    it, and the next lookups answer MISS for it."""
+    import redis
+
+    writer = make_manager(server.url, **FAST)
+    reader = make_manager(server.url, **FAST)
+    tier = reader.secondary_tiers[0]
+    try:
+        ctx = ReqContext("r")
+        writer.on_new_request(ctx)
+        reader.on_new_request(ctx)
+        ks = keys(3, seed=9)
+        store(writer, ks, ctx)
+        finished(writer, writer.secondary_tiers[0])
+        client = redis.Redis.from_url(server.url)
+        name = tier._name(ks[1])
+        value = client.get(name)
+        client.set(name, value[:-1] + bytes([value[-1] ^ 1]))
+        answers = {}
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            answers = {k: reader.lookup(k, ctx) for k in ks}
+            reader.on_schedule_end(step())
+            reader._process_finished_jobs()
+            settled = [host_holds(reader, ks[0], ctx), host_holds(reader, ks[2], ctx)]
+            if all(settled) and answers[ks[1]] is LookupResult.MISS:
+                break
+            time.sleep(0.01)
+        assert answers[ks[1]] is LookupResult.MISS
+        assert not host_holds(reader, ks[1], ctx)
+        assert counters(reader)[PROMOTION_FAILURES] == 1  # its load failed
+        while client.exists(name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.exists(name)  # the tier deleted the bad value
+        assert sorted(host_rows(reader, [ks[0], ks[2]], ctx)) == sorted(
+            [stored_rows(3)[0], stored_rows(3)[2]]
+        )
+    finally:
+        writer.shutdown()
+        reader.shutdown()
 
 
 def test_under_the_managers_lock_the_tier_never_waits_for_it(server):
