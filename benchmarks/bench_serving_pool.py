@@ -59,7 +59,9 @@ Writes ``benchmarks/results/serving_pool.{json,png}`` (``--smoke``: a
 temporary folder unless ``--json``/``--png``).  Exit status 1 when a
 request failed or a configuration's hits did not come from where they
 should (b: the device only, all of the ideal; a: no host or pool; c: pool
-hits on a node serving a turn whose previous turn ran on another node).
+hits on a node serving a turn whose previous turn ran on another node,
+unless the pool tier failed or paused in that repeat: a note then, since
+those turns recompute by design).
 """
 
 from __future__ import annotations
@@ -398,7 +400,7 @@ def main() -> int:
                 print(checks.progress(run), flush=True)
     rows = report.summarize(runs, keys)
     problems = list(failed.values()) + checks.problems(runs, BLOCK)
-    notes = checks.notes(runs)
+    notes = checks.notes(runs, BLOCK)
     print()
     print(report.table(rows))
     lines = report.goals(rows) + [f"NOTE: {x}" for x in notes]

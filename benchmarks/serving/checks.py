@@ -57,22 +57,53 @@ def problems(runs: list[dict], block: int) -> list[str]:
                 f"{name}: sticky routing hit {hits['device']} device tokens, "
                 f"not the ideal {run['ideal_hits']} (device cache too small?)"
             )
-        if column is not None:
-            for node, n in moved_turns(run, block).items():
-                if not run["nodes"][node].get(column):
-                    out.append(
-                        f"{name}: node {node} served {n} turn(s) whose previous "
-                        f"turn ran on another node, with no {column} hits"
-                        + pool_trouble(run["nodes"][node])
-                    )
+        if not run_trouble(run):
+            out += [f"{name}: {text}" for text in unserved_moves(run, block)]
     return out
 
 
-def notes(runs: list[dict]) -> list[str]:
+def unserved_moves(run: dict, block: int) -> list[str]:
+    """The nodes that served turns whose previous turn ran on another
+    node, yet got no hits from the configuration's connector column."""
+    column = CONNECTOR_COLUMN[run["config"]]
+    if column is None:
+        return []
+    return [
+        f"node {node} served {n} turn(s) whose previous turn ran on another "
+        f"node, with no {column} hits" + pool_trouble(run["nodes"][node])
+        for node, n in moved_turns(run, block).items()
+        if not run["nodes"][node].get(column)
+    ]
+
+
+def run_trouble(run: dict) -> str:
+    """The pool tier's failures and pauses in this repeat, on any node
+    (the writer's count as much as the reader's: a store the pool dropped
+    while paused is a later miss elsewhere)."""
+    for counts in (run["hits"], *run["nodes"]):
+        trouble = pool_trouble(counts)
+        if trouble:
+            return trouble
+    return ""
+
+
+def notes(runs: list[dict], block: int) -> list[str]:
     """Where vLLM's hit counters and the answers' cached tokens disagree
-    (0.32: e.g. a preempted request admitted twice)."""
+    (0.32: e.g. a preempted request admitted twice); and moved turns
+    without pool hits in a repeat where the pool tier failed or paused
+    (a loaded machine can stall the server past the tier's deadlines: its
+    requests then recompute, as designed, and the table's ``pool pauses``
+    shows it), which are problems in a repeat without trouble."""
     out = []
     for run in runs:
+        trouble = run_trouble(run)
+        if trouble:
+            name = f"({run['config']}) repeat {run['repeat']}"
+            out += [
+                f"{name}: {text}; the pool tier failed or paused in this "
+                f"repeat{trouble}: those turns recomputed, as designed"
+                for text in unserved_moves(run, block)
+            ]
         hits = run["hits"]
         counted = sum(hits.get(c, 0) for c in ("device", "host", "pool"))
         if "raw" in hits and counted != hits.get("cached", counted):

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
 import prometheus_client  # noqa: E402, F401
 from aiohttp import web  # noqa: E402
-from checks import ideal_hits, pool_trouble  # noqa: E402
+from checks import ideal_hits, notes, pool_trouble, problems  # noqa: E402
 from client import replay  # noqa: E402
 from metrics import add, finished, hits, parse  # noqa: E402
 from proxy import build_app  # noqa: E402
@@ -238,3 +238,39 @@ def test_hits_by_source_from_each_release_s_metrics():
     both = add([new, new])
     assert both["pool"] == 256 and both["raw"]["host"] == 512
     assert both["pool_tier"]["pauses"] == 4 and finished(parse(EXPOSITION_032)) == 3
+
+
+def _moved_run(writer_counts: dict) -> dict:
+    """(c): a conversation's turn 1 on node 1 after its turn 0 on node 0,
+    past the system prompt's blocks, with no pool hits on node 1."""
+    requests = [
+        {"conversation": 0, "turn": 0, "node": 0, "prompt_tokens": 300},
+        {"conversation": 0, "turn": 1, "node": 1, "prompt_tokens": 340},
+    ]
+    for r in requests:
+        r["system_tokens"] = 100
+    nodes = [{"device": 0, "pool": 0, **writer_counts}, {"device": 0, "pool": 0}]
+    return {
+        "config": "c",
+        "repeat": 0,
+        "requests": requests,
+        "nodes": nodes,
+        "hits": add(nodes),
+    }
+
+
+def test_a_moved_turn_without_pool_hits_is_a_problem_unless_the_pool_paused():
+    """Without trouble it is a problem (the pool should have served it);
+    when the pool tier paused in that repeat, on the node that stored it
+    too, the turn recomputed as designed: a note, not a problem."""
+    quiet = _moved_run({})
+    assert problems([quiet], 128) == [
+        "(c) repeat 0: node 1 served 1 turn(s) whose previous turn ran on "
+        "another node, with no pool hits"
+    ]
+    assert notes([quiet], 128) == []
+    paused = _moved_run({"pool_tier": {"pauses": 1, "unreachable": 1}})
+    assert problems([paused], 128) == []
+    (note,) = notes([paused], 128)
+    assert note.startswith("(c) repeat 0: node 1 served 1 turn(s)")
+    assert "(pool tier: {'pauses': 1, 'unreachable': 1})" in note

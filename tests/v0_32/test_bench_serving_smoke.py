@@ -43,6 +43,14 @@ def smoke(tmp_path_factory):
             "--smoke",
             "--json",
             str(tmp / "out.json"),
+            # Where the hits come from is checked here, not the pool's
+            # deadlines: with the tests' (a 1 s read) a clean-clone run with
+            # both lanes busy saw the pool server answer late once, the
+            # tier pause, its store drop and the other node's moved turn
+            # recompute (no pool hits on it: a failed run).
+            *("--pool-option", "timeout_s=10"),
+            *("--pool-option", "connect_timeout_s=5"),
+            *("--pool-option", "lookup_wait_s=5"),
         ],
         capture_output=True,
         text=True,
