@@ -67,7 +67,9 @@ def create_engine_config(self, *args, **kwargs):
 
 
 def _in_v0_32_set() -> bool:
-    """The wrapper runs as the 0.32 set's patch (the 0.11.2 set shares it)."""
+    """The wrapper runs as PP32-03: the 0.32 set's patch, which the 0.33 set
+    shares (config_check holds there too); the 0.11.2 set applies the same
+    function under its own id."""
     return any(
         state.patch.id == "PP32-03" and state.status == "applied"
         for state in REGISTRY.states()
