@@ -102,19 +102,21 @@ def pp_features(engine_args) -> list[str]:
     return []
 
 
-def _connector_names(kv_transfer_config) -> list[str]:
-    """kv_connector of a config and of its MultiConnector's nested ones."""
+def connectors(kv_transfer_config) -> list[tuple[str, dict]]:
+    """(kv_connector, its extra config) of a config and its MultiConnector's
+    nested connectors."""
     if kv_transfer_config is None:
         return []
-    names = [_field(kv_transfer_config, "kv_connector")]
-    extra = _field(kv_transfer_config, "kv_connector_extra_config")
-    if isinstance(extra, dict):
-        for nested in extra.get("connectors") or []:
-            names += _connector_names(nested)
-    return names
+    extra = _field(kv_transfer_config, "kv_connector_extra_config") or {}
+    extra = extra if isinstance(extra, dict) else {}
+    found = [(_field(kv_transfer_config, "kv_connector"), extra)]
+    for nested in extra.get("connectors") or []:
+        found += connectors(nested)
+    return found
 
 
-def _on_cpu_platform() -> bool:
+def on_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (imports vLLM)."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -132,11 +134,11 @@ def cpu_platform_features(
 
     if release_entry(version) not in NO_CPU_BUILD:
         return []
-    if not (_on_cpu_platform() if on_cpu is None else on_cpu):
+    if not (on_cpu_platform() if on_cpu is None else on_cpu):
         return []
     found = [
         f"kv_connector {name!r} on the CPU platform"
-        for name in _connector_names(_field(engine_args, "kv_transfer_config"))
+        for name, _ in connectors(_field(engine_args, "kv_transfer_config"))
         if name == "OffloadingConnector"
     ]
     layout = os.environ.get("VLLM_KV_CACHE_LAYOUT")

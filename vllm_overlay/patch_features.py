@@ -19,7 +19,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vllm_overlay.configured import _field, _ours, engine_refusal, pp_features
+from vllm_overlay.configured import (
+    _field,
+    _ours,
+    connectors,
+    engine_refusal,
+    on_cpu_platform,
+    pp_features,
+)
 from vllm_overlay.core.patching import (
     REGISTRY,
     PatchState,
@@ -42,28 +49,9 @@ class PatchNotApplied(RuntimeError):
     one_line_startup_error = True  # startup_errors: printed as its line
 
 
-def _connectors(kv_transfer_config) -> list[tuple[str, dict]]:
-    """(kv_connector, its extra config) of a config and its MultiConnector's
-    nested connectors."""
-    if kv_transfer_config is None:
-        return []
-    extra = _field(kv_transfer_config, "kv_connector_extra_config") or {}
-    extra = extra if isinstance(extra, dict) else {}
-    found = [(_field(kv_transfer_config, "kv_connector"), extra)]
-    for nested in extra.get("connectors") or []:
-        found += _connectors(nested)
-    return found
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
 def _offloading_on_cpu(config) -> list[str]:
-    found = _connectors(_field(config, "kv_transfer_config"))
-    if any(name == "OffloadingConnector" for name, _ in found) and _on_cpu():
+    found = connectors(_field(config, "kv_transfer_config"))
+    if any(name == "OffloadingConnector" for name, _ in found) and on_cpu_platform():
         return ["kv_connector 'OffloadingConnector' on the CPU platform"]
     return []
 
@@ -71,16 +59,16 @@ def _offloading_on_cpu(config) -> list[str]:
 def _pool_tier(config) -> list[str]:
     return [
         f"secondary tier {tier.get('module_path')!r}"
-        for name, extra in _connectors(_field(config, "kv_transfer_config"))
+        for name, extra in connectors(_field(config, "kv_transfer_config"))
         if name == "OffloadingConnector"
         for tier in extra.get("secondary_tiers") or []
         if isinstance(tier, dict) and _ours(tier.get("module_path"))
     ]
 
 
-def _overlay_connectors(config) -> list[str]:
+def _overlayconnectors(config) -> list[str]:
     found = []
-    for name, extra in _connectors(_field(config, "kv_transfer_config")):
+    for name, extra in connectors(_field(config, "kv_transfer_config")):
         if name in CONNECTORS:
             found.append(f"kv_connector {name!r}")
         if extra.get("spec_name") in OFFLOADING_SPECS:
@@ -90,13 +78,13 @@ def _overlay_connectors(config) -> list[str]:
 
 def _async_loaders(config) -> list[str]:
     return [
-        text for text in _overlay_connectors(config) if "CrossLayerProbe" not in text
+        text for text in _overlayconnectors(config) if "CrossLayerProbe" not in text
     ]
 
 
 def _mla_on_cpu(config) -> list[str]:
     model = _field(config, "model_config")
-    if model is not None and getattr(model, "use_mla", False) and _on_cpu():
+    if model is not None and getattr(model, "use_mla", False) and on_cpu_platform():
         return [f"the MLA model {model.model!r} on the CPU platform"]
     return []
 
@@ -104,7 +92,7 @@ def _mla_on_cpu(config) -> list[str]:
 # Patch.feature -> what in a config (VllmConfig) uses it
 FEATURE_NEEDS: dict[str, Callable[[Any], list[str]]] = {
     # 0.11.2: the overlay's connectors; 0.32: upstream's on the CPU platform
-    "cross-layer KV blocks": lambda c: _overlay_connectors(c) + _offloading_on_cpu(c),
+    "cross-layer KV blocks": lambda c: _overlayconnectors(c) + _offloading_on_cpu(c),
     "pipeline-parallel KV budget": pp_features,
     "async KV loads under KV pressure": _async_loaders,
     "async KV loads (shared pool, offloading)": _async_loaders,

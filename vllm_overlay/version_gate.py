@@ -322,8 +322,21 @@ def installed_vllm_dir() -> pathlib.Path | None:
 def installed_form(patch_set: str, vllm_dir: pathlib.Path) -> tuple[str | None, list]:
     """(the tested form the installed touched files equal, None if none;
     the files that differ from the nearest one)."""
+    return _nearest_form(patch_set, vllm_dir, tested_forms(release_record(patch_set)))
+
+
+def _nearest_form(
+    patch_set: str,
+    vllm_dir: pathlib.Path,
+    forms: dict[str, dict[str, str]],
+    files: list[str] | None = None,
+) -> tuple[str | None, list[str]]:
+    """The first of FORMS the installed FILES (default: all of each form's)
+    equal, or None and the files differing from the nearest one."""
     nearest: list[str] | None = None
-    for name, digests in tested_forms(release_record(patch_set)).items():
+    for name, digests in forms.items():
+        if files is not None:
+            digests = {rel: digests[rel] for rel in files}
         changed = touched_file_changes(patch_set, vllm_dir, digests)
         if not changed:
             return name, []
@@ -371,20 +384,10 @@ def feature_forms(
     (the tested form its installed files equal, None if none; the files
     that differ from the nearest form)."""
     forms = tested_forms(record)
-    out = {}
-    for feature, files in record["features"].items():
-        nearest: list[str] | None = None
-        for name, digests in forms.items():
-            mine = {rel: digests[rel] for rel in files}
-            changed = touched_file_changes(record["patch_set"], vllm_dir, mine)
-            if not changed:
-                out[feature] = (name, [])
-                break
-            if nearest is None or len(changed) < len(nearest):
-                nearest = changed
-        else:
-            out[feature] = (None, nearest or [])
-    return out
+    return {
+        feature: _nearest_form(record["patch_set"], vllm_dir, forms, files)
+        for feature, files in record["features"].items()
+    }
 
 
 def _check_features(

@@ -188,11 +188,9 @@ def overlay_files(
         if path in seen:
             continue
         seen.append(path)
-        rel = str(path.relative_to(ROOT))
+        rel, text = str(path.relative_to(ROOT)), path.read_text()
         for package in followed:
-            for _, module, name in static_imports.imports(
-                path.read_text(), rel, package
-            ):
+            for _, module, name in static_imports.imports(text, rel, package):
                 for candidate in (module, f"{module}.{name}" if name else None):
                     found = _overlay_file(candidate) if candidate else None
                     if found is not None and found not in seen:
@@ -287,17 +285,16 @@ def touched_files(
         if reference.read(rel) is None:
             raise SystemExit(f"vLLM {reference_version} has no file {rel} (RELIED_ON)")
         found.add(rel)
-    files = found
     for module, names in modules.items():
         path = reference.module_file(module)
         if path is None:
             raise SystemExit(f"vLLM {reference_version} has no module {module}")
-        files.add(path)
+        found.add(path)
         for name in names - {"", "*"}:  # `from package import submodule`
             sub = reference.module_file(f"{module}.{name}")
             if sub is not None:
-                files.add(sub)
-    return sorted(files)
+                found.add(sub)
+    return sorted(found)
 
 
 def sha256(data: bytes) -> str:

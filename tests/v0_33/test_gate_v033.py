@@ -212,7 +212,7 @@ def test_0_33s_front_end_takes_the_pool_tier_as_on_a_gpu(monkeypatch):
     option is refused there by name."""
     from vllm.config import KVTransferConfig
 
-    monkeypatch.setattr(configured, "_on_cpu_platform", lambda: False)
+    monkeypatch.setattr(configured, "on_cpu_platform", lambda: False)
     pool = _kv(POOL_LINE)
     config = _front_end(monkeypatch, kv_transfer_config=KVTransferConfig(**pool))
     (tier,) = config.kv_transfer_config.kv_connector_extra_config["secondary_tiers"]
