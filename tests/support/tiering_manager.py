@@ -39,7 +39,7 @@ def make_manager(url: str, **options):
         enable_kv_cache_events=False,
         extra_config={
             "cpu_bytes_to_use": CHUNKS * row,
-            "kv_identity": ["model-hash=contracts"],
+            "kv_identity": ["model-hash=contracts", "weights=w", "pages=p"],
             "secondary_tiers": [{**TIER, "url": url, **options}],
         },
         engine_id=f"overlay-test-{uuid.uuid4().hex}",

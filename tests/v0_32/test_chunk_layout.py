@@ -311,7 +311,7 @@ def config(pages, per, kv_cache_layout="LBHNC") -> OffloadingConfig:
         groups=(OffloadingGroupConfig(16, tuple(f"l{i}" for i in pages), 0),),
         worker_kv_bytes_per_block=sum(pages),
         enable_kv_cache_events=False,
-        extra_config={KV_IDENTITY: ["model-hash=test"]},
+        extra_config={KV_IDENTITY: ["model-hash=test", "weights=w", "pages=p"]},
         engine_id="e",
         model=OffloadingModelConfig("tiny", "float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=per),

@@ -38,9 +38,11 @@ from vllm_overlay.testing.redis import KINDS  # noqa: E402
 
 CHUNKS, ROW = 8, 4096 + 64  # 64 B of padding, as between ranks' slots
 CALL_BOUND_S = 0.05  # a tier call on the scheduler's thread
+# PT32-01's config part and KI32-01's engine part (weights, page layout)
+IDENTITY = ("model-hash=abc", "weights=w", "pages=p")
 
 
-def offloading_config(identity=("model-hash=abc",)) -> OffloadingConfig:
+def offloading_config(identity=IDENTITY) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("l0", "l1"), 0),),
         worker_kv_bytes_per_block=4096,
@@ -56,7 +58,7 @@ def offloading_config(identity=("model-hash=abc",)) -> OffloadingConfig:
 class Node:
     """A tier over its own primary memory, as the manager would hold it."""
 
-    def __init__(self, url: str, identity=("model-hash=abc",), **options) -> None:
+    def __init__(self, url: str, identity=IDENTITY, **options) -> None:
         self.rows = numpy.zeros((CHUNKS, ROW), dtype=numpy.uint8)
         spec = types.SimpleNamespace(config=offloading_config(identity))
         self.tier = SharedPoolTier(
@@ -177,7 +179,10 @@ def test_a_changed_value_fails_its_key_only_and_is_deleted(server):
 
 
 def test_another_model_config_is_another_namespace(server):
-    a, b = Node(server.url), Node(server.url, identity=("model-hash=other",))
+    a, b = (
+        Node(server.url),
+        Node(server.url, identity=("model-hash=other", "weights=w", "pages=p")),
+    )
     try:
         k = keys(1)
         a.store(k, [0])
@@ -214,3 +219,38 @@ def test_a_hung_server_holds_no_call_and_lookups_become_misses(server):
 def test_without_the_model_config_identity_it_refuses(server):
     with pytest.raises(ValueError, match="does not name the model config"):
         Node(server.url, identity=())
+
+
+@pytest.mark.parametrize(
+    "identity, missing",
+    [
+        (("model-hash=abc", "pages=p"), "weights fingerprint"),
+        (("model-hash=abc", "weights=w"), "page layout"),
+    ],
+)
+def test_without_the_engine_identity_it_refuses(server, identity, missing):
+    """KI32-01 measures the weights and the page layout in the workers; a
+    tier that does not know them (the patch skipped) does not start."""
+    with pytest.raises(ValueError, match=missing):
+        Node(server.url, identity=identity)
+
+
+def test_rekey_moves_the_tier_to_another_namespace(server):
+    """New weights (a prefix-cache reset measured them): what the tier
+    stored before is a miss from then on; a node with the new weights
+    from the start shares the new namespace."""
+    a = Node(server.url)
+    b = Node(server.url, identity=("model-hash=abc", "weights=new", "pages=p"))
+    try:
+        k = keys(1)
+        assert a.store(k, [0]).success
+        assert a.lookup(k[0], "r0") is LookupResult.HIT
+        before = a.tier.ns
+        a.tier.rekey(["weights=new", "pages=p"])
+        assert a.tier.ns != before and a.tier.ns == b.tier.ns
+        assert a.lookup(k[0], "r1") is LookupResult.MISS
+        assert b.store(k, [1]).success
+        assert a.lookup(k[0], "r2") is LookupResult.HIT
+    finally:
+        a.close()
+        b.close()

@@ -258,10 +258,11 @@ def test_0_33s_offloading_config_names_the_model_config(monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_overlay.integration.v0_32.pool_tier import identity
-    from vllm_overlay.patches.v0_32.patch_offloading_connector import (
-        kv_identity_factors,
+    from vllm_overlay.integration.v0_32.kv_identity import (
+        _without_location,
+        config_factors,
     )
+    from vllm_overlay.integration.v0_32.pool_tier import identity
     from vllm_overlay.testing import tiny_model_path
 
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
@@ -281,11 +282,16 @@ def test_0_33s_offloading_config_names_the_model_config(monkeypatch):
         kv_connector_extra_config={"cpu_bytes_to_use": 2**24},
     )
     built = offloading_connector.build_offloading_config(config, kv_cache_config)
-    assert built.extra_config["kv_identity"] == kv_identity_factors(config)
+    # no engine core here: the configuration's part only (KI32-01 adds the
+    # engine's weights and page layout in the engine core's process)
+    assert built.extra_config["kv_identity"] == config_factors(config)
     assert (
-        f"model-hash={config.model_config.compute_hash()}"
+        f"model-hash={_without_location(config.model_config).compute_hash()}"
         in (built.extra_config["kv_identity"])
     )
+    assert "format=vllm-0.33/chunks-1" in built.extra_config["kv_identity"]
     # what the tier namespaces its keys by, from 0.33's config
-    factors = identity.tier_factors(built, 4096, "")
-    assert set(kv_identity_factors(config)) <= set(factors)
+    factors = identity.tier_factors(built, 4096, "", ["weights=w", "pages=p"])
+    assert set(config_factors(config)) <= set(factors)
+    with pytest.raises(ValueError, match="weights fingerprint and page layout"):
+        identity.tier_factors(built, 4096, "")

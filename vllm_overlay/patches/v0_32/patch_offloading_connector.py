@@ -8,8 +8,11 @@ shared by several engines (a Redis/Valkey pool) cannot tell whether
 another engine's blocks were computed with the same weights, revision,
 quantization, RoPE overrides or prefix hash; they all change the bytes
 under one block hash.  With this patch the config's
-``extra_config["kv_identity"]`` lists vLLM's own hashes of those configs
-(``kv_identity_factors``), so a shared tier namespaces its keys by them.
+``extra_config["kv_identity"]`` lists what decides the KV bytes
+(``integration/v0_32/kv_identity``: vLLM's own hashes of those configs
+without the model's location, and the engine's weights fingerprint and
+in-page layout measured by KI32-01), so a shared tier namespaces its keys
+by them.
 
 ``get_transfer_results`` (OF32-05) also returns the loads whose copy failed
 as failed receives (``failed_recving``; OF32-04 in
@@ -22,35 +25,24 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_overlay.core.patching import REGISTRY, Patch
+from vllm_overlay.integration.v0_32 import kv_identity
+from vllm_overlay.integration.v0_32.kv_identity import KV_IDENTITY
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
 PATCH_ID = "PT32-01"
 FAILED_LOADS_ID = "OF32-05"
-KV_IDENTITY = "kv_identity"
-
-
-def kv_identity_factors(vllm_config) -> list[str]:
-    """What decides a block's KV bytes beyond the offloading config's own
-    fields (groups, block sizes, parallel sizes, KV dtype): vLLM's model
-    config hash (model, revision, quantization, dtype, the HF config as
-    loaded), its cache config hash, the prefix hash algorithm and the LoRA
-    config."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    lora = getattr(vllm_config, "lora_config", None)
-    return [
-        f"model-hash={model.compute_hash()}",
-        f"model={model.model}@{model.revision}",
-        f"quantization={model.quantization}",
-        f"cache-hash={cache.compute_hash()}",
-        f"hash-algo={cache.prefix_caching_hash_algo}",
-        f"lora={lora.compute_hash() if lora is not None else None}",
-    ]
 
 
 def build_offloading_config(vllm_config, kv_cache_config):
     config = REGISTRY.original(PATCH_ID)(vllm_config, kv_cache_config)
     extra = dict(config.extra_config)
-    extra[KV_IDENTITY] = kv_identity_factors(vllm_config)
+    # The configuration's part, and in the engine core's process the
+    # engine's measured part (KI32-01 measured it before the scheduler and
+    # its connector were built).
+    extra[KV_IDENTITY] = (
+        kv_identity.config_factors(vllm_config)
+        + kv_identity.engine(config.engine_id).factors()
+    )
     return dataclasses.replace(config, extra_config=extra)
 
 

@@ -23,9 +23,15 @@ from vllm_overlay.patches.v0_33 import patch_engine_core, patch_offloading_conne
 FEATURES = {
     # The shared pool as a secondary tier of upstream's tiered offloading:
     # the offloading config names the model config (PT32-01)
-    "pool_tier": (patch_offloading_connector,),
+    # and the engine core measures the engine's weights and page layout
+    # (KI32-01/02, in patch_engine_core beside PP33-04)
+    "pool_tier": (patch_offloading_connector, patch_engine_core),
     # Pipeline-parallel KV budget split by layers (--enable-pp-prop-kv-cache)
     "pp_prop_kv_cache": (patch_arg_utils, patch_engine_core),
 }
 
-MODULES = tuple(module for modules in FEATURES.values() for module in modules)
+# Each module once (patch_engine_core serves both features: a refusal of
+# either skips its patches, and the pool tier then refuses to start).
+MODULES = tuple(
+    dict.fromkeys(module for modules in FEATURES.values() for module in modules)
+)

@@ -7,7 +7,9 @@ same name) and takes a fourth argument, the global KV cache groups that
 ``EngineCore._initialize_kv_caches`` computes first.  The block arithmetic
 that the split feeds is unchanged (``docs/vllm-0.33-delta.md`` e).  The
 idle wait (EC32-01/02) is not in this set: it was measured in a running
-engine, and no 0.33 engine runs here.
+engine, and no 0.33 engine runs here.  The pool tier's KV identity
+(KI32-01/02, the v0_32 module's patches) is: the methods it wraps are
+unchanged in 0.33.
 """
 
 import dataclasses
@@ -32,7 +34,12 @@ def get_kv_cache_configs(
     )
 
 
-PATCHES = [
+# KI32-01/02 (the engine's KV identity, for the pool tier): 0.33's
+# ``_initialize_kv_caches`` still returns the config the scheduler is built
+# with; ``reset_prefix_cache`` and ``collective_rpc`` have 0.32's signatures.
+KV_IDENTITY_IDS = ("KI32-01", "KI32-02", "KI32-03")
+
+PATCHES = [patch for patch in v0_32.PATCHES if patch.id in KV_IDENTITY_IDS] + [
     dataclasses.replace(
         patch,
         id=PATCH_ID,

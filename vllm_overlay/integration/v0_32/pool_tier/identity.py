@@ -17,10 +17,7 @@ factor too."""
 
 from __future__ import annotations
 
-from vllm_overlay.patches.v0_32.patch_offloading_connector import (
-    KV_IDENTITY,
-    PATCH_ID,
-)
+from vllm_overlay.integration.v0_32.kv_identity import KV_IDENTITY, PAGES, WEIGHTS
 
 FORMAT = "vllm-shared-kv-pool-tier/1"
 # Inside a worker's slot of a chunk: each KV tensor's blocks_per_chunk pages
@@ -34,18 +31,46 @@ def host_layout(config) -> str:
     return kind + ("/replicated" if config.replicated_layout else "")
 
 
-def tier_factors(config, chunk_bytes: int, user_namespace: str) -> list[str]:
+def with_engine(identity: list[str], engine: list[str]) -> list[str]:
+    """``identity`` with its engine part (weights, pages) replaced by
+    ``engine`` (kept when ``engine`` is empty)."""
+    if not engine:
+        return list(identity)
+    kept = [f for f in identity if not f.startswith((WEIGHTS, PAGES))]
+    return kept + list(engine)
+
+
+def tier_factors(
+    config, chunk_bytes: int, user_namespace: str, engine: list[str] = ()
+) -> list[str]:
     """``config``: the spec's ``OffloadingConfig``; ``chunk_bytes``: one
-    primary chunk (the tier's ``block_size_bytes``)."""
-    identity = config.extra_config.get(KV_IDENTITY)
+    primary chunk (the tier's ``block_size_bytes``); ``engine``: the
+    engine's measured part (``kv_identity.EngineIdentity.factors``), when
+    the offloading config does not carry it."""
+    identity = with_engine(config.extra_config.get(KV_IDENTITY) or [], engine)
     if not identity:
         raise ValueError(
             "SharedPoolTier: the offloading config does not name the model "
             f"config its KV comes from (extra_config[{KV_IDENTITY!r}], set by "
-            f"the overlay's patch {PATCH_ID}); without it engines with other "
+            "the overlay's patch PT32-01); without it engines with other "
             "weights, revisions or RoPE overrides would share blocks. Is "
             "vllm-overlay's plugin loaded (VLLM_OVERLAY_DISABLE unset, "
-            f"{PATCH_ID} not skipped)?"
+            "PT32-01 not skipped)?"
+        )
+    missing = [
+        f for f in (WEIGHTS, PAGES) if not any(x.startswith(f) for x in identity)
+    ]
+    if missing:
+        raise ValueError(
+            "SharedPoolTier: the engine's "
+            + " and ".join(
+                {WEIGHTS: "weights fingerprint", PAGES: "page layout"}[f]
+                for f in missing
+            )
+            + " are not known (measured in the workers at start-up by the "
+            "overlay's patch KI32-01); without them a node with other weights "
+            "or another in-page KV layout would share blocks. Is KI32-01 "
+            "skipped (VLLM_OVERLAY_SKIP_PATCHES)?"
         )
     parallel = config.parallel
     groups = ";".join(

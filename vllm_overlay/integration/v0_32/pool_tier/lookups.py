@@ -126,6 +126,13 @@ class LookupVerdicts:
             elif verdict is not None:
                 del self._verdicts[key]
 
+    def clear(self) -> None:
+        """The namespace changed: every verdict is void (answers still in
+        flight are dropped when they come)."""
+        self._verdicts.clear()
+        self._batch.clear()
+        self._request_keys = {req: set() for req in self._request_keys}
+
     def pending(self) -> bool:
         """Keys queued or in flight (the engine must keep stepping)."""
         return bool(self._batch) or self._flights.pending()
