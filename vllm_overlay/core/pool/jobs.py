@@ -48,8 +48,12 @@ class LoadJob:
     landed: object
     value_bytes: int
     deadline: float
+    # Every write into the caller's buffers and every read of them for the
+    # result (``landed``, ``prepare``) happens under ``guard.lock`` while
+    # ``guard.cancelled`` is false (``KVPool.cancel_loads``).
     guard: Guard = dataclasses.field(default_factory=Guard)
-    delivered: bool = False
+    claimed: bool = False  # its result is being made (by one thread only)
+    delivered: bool = False  # its result is queued for ``poll_loads``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,10 @@ class StoreJob:
     written: int = 0
     present: int = 0
     released: bool = False
+    # Every read of the caller's payloads (``encode``, each send of a
+    # payload's bytes) happens under ``guard.lock`` while
+    # ``guard.cancelled`` is false (``KVPool.cancel_stores``).
+    guard: Guard = dataclasses.field(default_factory=Guard)
 
     def outcome(self) -> StoreOutcome:
         return StoreOutcome(self.total, self.written, self.present)

@@ -18,7 +18,7 @@ from vllm_overlay.core.pool.config import PoolConfig
 from vllm_overlay.core.pool.errors import Failure
 from vllm_overlay.core.pool.health import READ
 from vllm_overlay.core.pool.jobs import LoadJob
-from vllm_overlay.core.pool.resp import MAX_VALUE_BYTES, command
+from vllm_overlay.core.pool.resp import MAX_VALUE_BYTES, Cancelled, command
 from vllm_overlay.core.pool.stats import PoolStats
 from vllm_overlay.core.pool.transport import Redirected, exchange
 
@@ -38,8 +38,16 @@ class PoolLoads:
     ``bad_signatures``.  Calls ``reads_open``, ``_failed``, ``_ok``,
     ``_internal`` (failures.py), ``_need_io_threads`` (pool.py),
     ``submit_delete`` and ``_warn_dropped`` (stores.py).  Its interface to
-    the other parts: ``_deliver`` (pool.py's ``_abandon``),
-    ``_loads_idle`` (``drain``), ``_cancel_late_loads`` (``_watchdog``)."""
+    the other parts: ``_fail_load`` (pool.py's ``_abandon``),
+    ``_loads_idle`` (``drain``), ``_cancel_late_loads`` (``_watchdog``).
+
+    A load writes into its memory (``into``'s buffers) only under its
+    job's ``guard.lock`` and while the job is not cancelled: each write
+    (``resp.RespReader``) and ``prepare`` (which may write: the 0.11.2
+    connector zeroes refused blocks).  Its result is made once, by one
+    thread: the load thread (under that lock, queued before the lock is
+    let go), or whoever cancelled it (``cancel_loads``, the watchdog), as
+    failed."""
 
     config: PoolConfig
     stats: PoolStats
@@ -108,7 +116,7 @@ class PoolLoads:
         if n:
             self._load_q.put(job)
         else:  # nothing to fetch: done now (prepare sees no values)
-            self._deliver(job, [None] * len(keys))
+            self._fail_load(job)
         return n
 
     def poll_loads(self) -> list[tuple[object, object]]:
@@ -127,18 +135,20 @@ class PoolLoads:
         return False
 
     def cancel_loads(self, timeout_s: float) -> list:
-        """Give up on every load not yet delivered (a drain past its
-        deadline): each stops writing into its buffers (a write under way
-        ends first: waited for, ``timeout_s`` in all) and is delivered as
-        failed.  Returns the ids of those that could not be stopped in
-        time (still pending; delivered when their thread lets go)."""
+        """Give up on every load whose result is not queued yet (a drain
+        past its deadline): each stops touching its buffers (a write, a
+        check or a result under way ends first: waited for, ``timeout_s``
+        in all), and its result is queued now: failed, or the one its load
+        thread had just made.  Returns the ids of those that could not be
+        stopped in time (still pending; queued when their thread lets
+        go)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             jobs = [job for job in self._loads if not job.delivered]
         left = []
         for job in jobs:
             if job.guard.cancel(timeout_s=max(0.001, deadline - time.monotonic())):
-                self._deliver(job, [None] * len(job.keys))
+                self._fail_load(job)
             else:
                 left.append(job.job_id)
         return left
@@ -156,34 +166,71 @@ class PoolLoads:
         with self._lock:
             late = [job for job in self._loads if now > job.deadline + grace_s]
         for job in late:
-            if job.guard.cancel(timeout_s=0.05):
+            if job.guard.cancel(timeout_s=0.05) and self._fail_load(job):
                 with self._lock:
                     self.stats.load_timeouts += 1
-                self._deliver(job, [None] * len(job.keys))
+
+    def _claim(self, job: LoadJob) -> bool:
+        """True for the one caller that makes the job's result."""
+        with self._lock:
+            if job.claimed:
+                return False
+            job.claimed = True
+            return True
 
     def _deliver(self, job: LoadJob, values: list) -> None:
-        """Hand a load's result to its caller, once (the load thread, or the
-        watchdog for a load past its deadline, whichever is first).  The
-        job counts as pending (``drain``) until its result is queued."""
-        with self._lock:
-            if job.delivered:
+        """The load thread, done with the job: its result, made and queued
+        under the job's guard (``_fail_load`` makes it instead once the
+        job is cancelled)."""
+        with job.guard.lock:
+            if job.guard.cancelled or not self._claim(job):
                 return
+            self._queue(job, self._prepare(job, values))
+        self._signal()
+
+    def _fail_load(self, job: LoadJob) -> bool:
+        """The job's result as failed (no value), unless its result is
+        made already (the job is cancelled, or never ran: nothing touches
+        its buffers).  True if this call made it."""
+        if not self._claim(job):
+            return False
+        self._queue(job, self._prepare(job, [None] * len(job.keys)))
+        self._signal()
+        return True
+
+    def _prepare(self, job: LoadJob, values: list):
+        if job.prepare is None:
+            return values
+        try:
+            return job.prepare(values)
+        except Exception as exc:  # noqa: BLE001 - a bug: the caller sees None
+            self._internal("preparing a load", exc)
+            return None
+
+    def _queue(self, job: LoadJob, result) -> None:
+        """Hand a load's result to its caller (``poll_loads``).  The job
+        counts as pending (``drain``) until then."""
+        with self._lock:
             job.delivered = True
             self._loads.discard(job)
             self._inflight_load -= job.size
-        result = values
-        if job.prepare is not None:
-            try:
-                result = job.prepare(values)
-            except Exception as exc:  # noqa: BLE001 - a bug: the caller sees None
-                self._internal("preparing a load", exc)
-                result = None
-        self._loads_done.append((job.job_id, result))
-        with self._lock:
+            self._loads_done.append((job.job_id, result))
             self._pending_loads -= 1
+
+    def _signal(self) -> None:
         LOADS_DONE.set()
         if self.on_result is not None:
             self.on_result()
+
+    def _landed(self, job: LoadJob, i: int, value) -> None:
+        """Value ``i`` of the job landed: checked, unless the job is
+        cancelled (then it stops).  Not under the guard: a check only
+        reads, and a check that hangs must not keep the watchdog from
+        failing the load in time; what a check finds after a cancel is
+        never used (the canceller's result has no value)."""
+        if job.guard.cancelled:
+            raise Cancelled()
+        job.landed(i, value)
 
     def _load(self, client, job: LoadJob) -> None:
         keys, n, into, landed = job.keys, job.n, job.into, job.landed
@@ -201,7 +248,11 @@ class PoolLoads:
                         [command(b"GET", key)],
                         None if into is None else functools.partial(into, i),
                     )
-                    + (() if landed is None else (functools.partial(landed, i),))
+                    + (
+                        ()
+                        if landed is None
+                        else (functools.partial(self._landed, job, i),)
+                    )
                     for i, key in enumerate(keys[:n])
                 ],
                 deadline=job.deadline,

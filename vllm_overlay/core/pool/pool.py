@@ -48,11 +48,11 @@ interface (named in its class doc):
   ``_internal``, ``_ok``, ``_watchdog``.
 - lookups.py: no state of its own; its tickets go through ``_lookup_q``.
   Interface: ``submit_lookup``, ``abandon``, ``lookup_wait_s``.
-- stores.py: ``_inflight``, ``_queued_deletes``.  Interface:
-  ``submit_delete``, ``_stores_idle``, ``_abandon_store``,
+- stores.py: ``_inflight``, ``_store_jobs``, ``_queued_deletes``.
+  Interface: ``submit_delete``, ``_stores_idle``, ``_abandon_store``,
   ``_warn_dropped``.
 - loads.py: ``_inflight_load``, ``_pending_loads``, ``_loads``,
-  ``_loads_done``.  Interface: ``_deliver``, ``_loads_idle``,
+  ``_loads_done``.  Interface: ``_fail_load``, ``_loads_idle``,
   ``_cancel_late_loads``.
 """
 
@@ -119,6 +119,7 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
         self.misconfigured: str | None = None  # set by probe(): pool disabled
         self.server_is_cluster: bool | None = None
         self._inflight = 0
+        self._store_jobs: set[StoreJob] = set()  # admitted, not released
         self._inflight_load = 0
         self._pending_loads = 0
         self._queued_deletes = 0
@@ -320,7 +321,7 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
             if not job.done:
                 job._finish(None)
         elif isinstance(job, LoadJob):
-            self._deliver(job, [None] * len(job.keys))
+            self._fail_load(job)
         elif isinstance(job, (StoreJob, tuple)):  # or deletes
             self._abandon_store(job)
 
@@ -328,7 +329,8 @@ class KVPool(PoolFailures, PoolLookups, PoolStores, PoolLoads):
         """Wait until every submitted store and load is done, its result
         handed over (a store's ``on_done`` has returned, a load's result is
         queued for ``poll_loads``); False if ``timeout_s`` passed first
-        (``cancel_loads`` then stops the loads)."""
+        (``cancel_loads`` and ``cancel_stores`` then stop them touching
+        the caller's memory)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:  # loads first: a load may queue a delete

@@ -2,9 +2,10 @@
 ``(key, payload)`` pairs; the store thread encodes each payload (header,
 checksum, MAC) and writes it (EXISTS, then SET NX, the header and the
 payload sent as two buffers: never joined).  Admitted in prefix order up
-to ``max_inflight_bytes``.  ``submit_delete`` removes values that failed
-their check.  A mixin of ``KVPool`` (pool.py), whose constructor sets the
-state named below."""
+to ``max_inflight_bytes``.  ``cancel_stores`` stops every store from
+reading its payloads (a drain that gives up: the caller reuses them).
+``submit_delete`` removes values that failed their check.  A mixin of
+``KVPool`` (pool.py), whose constructor sets the state named below."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from vllm_overlay.core.pool.config import PoolConfig
 from vllm_overlay.core.pool.health import WRITE
 from vllm_overlay.core.pool.jobs import StoreJob, StoreOutcome
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
-from vllm_overlay.core.pool.resp import command
+from vllm_overlay.core.pool.resp import Cancelled, command
 from vllm_overlay.core.pool.stats import PoolStats
 from vllm_overlay.core.pool.transport import exchange, first_failure
 
@@ -25,8 +26,9 @@ MAX_QUEUED_DELETES = 65536  # keys; more: dropped (a later load refuses again)
 
 
 class PoolStores:
-    """Owns ``_inflight`` (bytes admitted, not yet released) and
-    ``_queued_deletes``: only its methods write them, under ``_lock``.
+    """Owns ``_inflight`` (bytes admitted, not yet released),
+    ``_store_jobs`` (admitted, not yet released) and ``_queued_deletes``:
+    only its methods write them, under ``_lock``.
     Reads ``config``; puts jobs on ``_store_q``; counts
     ``stats.dropped_stores``, ``stored_blocks``, ``skipped_existing``,
     ``bytes_out``, ``io_seconds_out``.  Calls ``writes_open``,
@@ -40,6 +42,7 @@ class PoolStores:
     _lock: threading.Lock
     _log: RateLimitedLog
     _inflight: int
+    _store_jobs: set
     _queued_deletes: int
     _store_q: queue.Queue
 
@@ -73,7 +76,9 @@ class PoolStores:
         the payloads are no longer needed (on the store thread, or here if
         none is admitted), with a ``StoreOutcome``: how many values are in
         the pool now.  ``drain`` counts the job as done only once it has
-        returned.  Returns the number admitted (0: all dropped)."""
+        returned.  The payloads are read (encoded, sent) only until
+        ``cancel_stores``.  Returns the number admitted (0: all
+        dropped)."""
         self._need_io_threads()
         open_ = self.writes_open()
         with self._lock:
@@ -88,17 +93,40 @@ class PoolStores:
             dropped = len(items) - admitted
             self.stats.dropped_stores += dropped
             self._inflight += size
+            job = None
+            if admitted:
+                job = StoreJob(items[:admitted], size, encode, on_done, len(items))
+                self._store_jobs.add(job)
         if dropped and open_:
             self._warn_dropped(
                 "store", admitted, dropped, self.config.max_inflight_bytes
             )
-        if admitted:
-            self._store_q.put(
-                StoreJob(items[:admitted], size, encode, on_done, len(items))
-            )
+        if job is not None:
+            self._store_q.put(job)
         elif on_done is not None:
             on_done(StoreOutcome(len(items)))
         return admitted
+
+    def cancel_stores(self, timeout_s: float) -> int:
+        """Stop every store not yet done from reading its payloads (a drain
+        past its deadline: the caller is about to reuse that memory).  A
+        read under way (encoding one value, or one send of its bytes: a
+        copy into the kernel) ends first: waited for, ``timeout_s`` in
+        all.  Once this returns, no payload of a cancelled store is read:
+        one not encoded yet is never sent, and one cut short on the wire
+        never reaches the server whole (its connection is reset), so a
+        value that lands holds the bytes it was encoded from.  A cancelled
+        store's ``on_done`` still runs once, with what it wrote.  Returns
+        how many could not be stopped in time (a thread wedged inside one
+        read; they still may read)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            jobs = list(self._store_jobs)
+        return sum(
+            1
+            for job in jobs
+            if not job.guard.cancel(max(0.001, deadline - time.monotonic()))
+        )
 
     def _warn_dropped(self, what: str, kept: int, dropped: int, limit: int) -> None:
         self._log.log(
@@ -146,6 +174,7 @@ class PoolStores:
             if job.released:
                 return
             job.released = True
+            self._store_jobs.discard(job)
         try:
             if job.on_done is not None:
                 job.on_done(job.outcome())
@@ -172,11 +201,11 @@ class PoolStores:
         if isinstance(job, tuple):
             self._delete(client, job[1])
             return
-        items, encode = job.items, job.encode
+        items, encode, guard = job.items, job.encode, job.guard
         stored = 0
         answered: list[int] = []  # sizes of the values the server took
         try:
-            if not self.writes_open():
+            if not self.writes_open() or guard.cancelled:
                 with self._lock:
                     self.stats.dropped_stores += len(items)
                 return
@@ -194,7 +223,10 @@ class PoolStores:
             job.present = len(items) - len(todo)
             values = []
             for key, payload in todo:
-                value = encode(key, payload) if encode else payload
+                with guard.lock:  # (cancel_stores: no read after it)
+                    if guard.cancelled:
+                        raise Cancelled()
+                    value = encode(key, payload) if encode else payload
                 parts = list(value) if isinstance(value, (tuple, list)) else [value]
                 values.append((key, parts, sum(memoryview(p).nbytes for p in parts)))
             answers = exchange(
@@ -210,6 +242,7 @@ class PoolStores:
                     for key, parts, n in values
                 ],
                 deadline=deadline,
+                send_guard=guard,
             )
             elapsed = time.perf_counter() - start
             stored = sum(1 for a in answers if not isinstance(a, Exception))
@@ -236,7 +269,8 @@ class PoolStores:
                 self.stats.stored_blocks += len(answered)
                 self.stats.bytes_out += sum(answered)
                 self.stats.dropped_stores += len(items) - stored - len(answered)
-            self._failed(exc, "store", WRITE)
+            if not guard.cancelled:  # (cancelled: its caller gave up on it)
+                self._failed(exc, "store", WRITE)
         finally:
             self._release_store(job)
 

@@ -23,7 +23,12 @@ import time
 
 from vllm_overlay.core.pool.config import PoolConfig
 from vllm_overlay.core.pool.errors import PoolTooSlow
-from vllm_overlay.core.pool.resp import MAX_VALUE_BYTES, RespReader, coalesce
+from vllm_overlay.core.pool.resp import (
+    MAX_VALUE_BYTES,
+    Cancelled,
+    RespReader,
+    coalesce,
+)
 
 
 def make_client(config: PoolConfig, single_node: bool = False):
@@ -76,13 +81,20 @@ class Outgoing:
     reader calls it before it waits for a reply) sends until the socket
     has bytes to read or nothing is left, waiting at most until
     ``deadline`` (``time.monotonic()``; None: the socket's own timeout per
-    wait).  Payloads are sent from the caller's buffers (no copy)."""
+    wait).  Payloads are sent from the caller's buffers (no copy); with a
+    ``guard`` (``resp.Guard``), each send (a copy into the kernel, which
+    never waits: the socket was found writable) happens under
+    ``guard.lock`` and only while ``guard.cancelled`` is false, so whoever
+    cancels under that lock knows no later send reads those buffers (the
+    exchange then resets the connection: a command cut short never
+    reaches the server whole)."""
 
     SEND_BYTES = 256 << 10  # at most this much per send (TLS writes it whole)
 
-    def __init__(self, sock, pieces, deadline: float | None = None) -> None:
+    def __init__(self, sock, pieces, deadline: float | None = None, guard=None) -> None:
         self.sock = sock
         self.deadline = deadline
+        self.guard = guard
         self._timeout = sock.gettimeout()
         self._shortened = False
         views = (memoryview(p).cast("B") for p in pieces)
@@ -122,7 +134,13 @@ class Outgoing:
             self.sock.settimeout(left)
             self._shortened = True
         view = self._views[0]
-        sent = self.sock.send(view[: self.SEND_BYTES])
+        if self.guard is None:
+            sent = self.sock.send(view[: self.SEND_BYTES])
+        else:
+            with self.guard.lock:
+                if self.guard.cancelled:
+                    raise Cancelled()
+                sent = self.sock.send(view[: self.SEND_BYTES])
         if sent >= view.nbytes:
             self._views.popleft()
         else:
@@ -187,6 +205,7 @@ def exchange(
     deadline: float | None = None,
     guard=None,
     max_bulk_bytes: int = MAX_VALUE_BYTES,
+    send_guard=None,
 ) -> list:
     """Send ``requests`` (key, command pieces, ``into`` or None[, a
     callback for the reply]) as one pipeline per server and read every
@@ -196,8 +215,10 @@ def exchange(
     come back as exception instances, in place.  A cluster's MOVED updates
     the client's slot map and is tried once more; a redirect left after
     that is a ``Redirected``.  A socket failure, a protocol error, the
-    ``deadline`` (sends and reads alike) or a cancelled ``guard`` raises
-    (the connections are reset)."""
+    ``deadline`` (sends and reads alike) or a cancelled ``guard`` (the
+    replies' writes into the caller's memory) or ``send_guard`` (the
+    commands' reads of it: ``Outgoing``) raises (the connections are
+    reset)."""
     import redis
 
     replies: list = [None] * len(requests)
@@ -212,6 +233,7 @@ def exchange(
                 conn._sock,
                 coalesce(piece for i in idxs for piece in requests[i][1]),
                 deadline,
+                send_guard,
             )
             reader = RespReader(
                 conn._sock,
@@ -264,6 +286,7 @@ def exchange(
                 deadline,
                 guard,
                 max_bulk_bytes,
+                send_guard,
             )
             for i, reply in zip(moved, again):
                 replies[i] = reply

@@ -289,21 +289,33 @@ class SharedPoolTier(SecondaryTierManager):
         return out
 
     def drain_jobs(self) -> None:
-        """Upstream's contract (``reset_cache`` asserts it): once this
-        returns, every submitted job's result is queued for
-        ``get_finished_jobs`` and no job writes into the primary tier.
+        """Upstream's contract (``reset_cache`` asserts it, then frees and
+        reuses every primary chunk): once this returns, every submitted
+        job's result is queued for ``get_finished_jobs`` and no job touches
+        the primary tier's memory.
 
         Within the pool's deadlines every job ends by itself (a load past
         ``io_timeout_s`` is failed by the watchdog and stops writing).  A
-        job still running after them is given up: a load stops writing
-        (the write under way ends first, so no chunk is half written) and
-        fails; a store is reported failed now and its late completion is
-        ignored.  Such a store may still be sending chunks upstream then
-        reuses: the value it stores fails its checksum when loaded (it is
-        deleted and recomputed), so it is never served."""
+        job still running after them is given up, and stopped before this
+        returns (the read or write under way ends first; ``KVPool
+        .cancel_loads`` and ``.cancel_stores``):
+
+        * a load writes no more into its chunks and is reported failed
+          (one whose result was being made is reported with it);
+        * a store is reported failed and reads its chunks no more: a value
+          not encoded yet is never sent; one cut short on the wire never
+          reaches the server whole (its connection is reset); one sent
+          whole holds the bytes it was encoded from, which cannot have
+          changed yet.  So no value in the pool ever holds bytes written
+          after the reset.  Its late completion is ignored.
+
+        Only a pool thread wedged inside one read or write for ``GRACE_S``
+        (a bug) escapes this; it is logged as an error."""
         limit = self.config.io_timeout_s + self.config.timeout_s + 2 * GRACE_S
         if self.pool.drain(limit):
             return
+        # Stores first: one may be encoding (reading a chunk) right now.
+        wedged = self.pool.cancel_stores(GRACE_S)
         stuck = self.pool.cancel_loads(GRACE_S)
         for job_id in stuck:  # cannot happen unless a thread is wedged
             keys, start = self._loads.pop(job_id)
@@ -320,14 +332,24 @@ class SharedPoolTier(SecondaryTierManager):
                 )
         logger.error(
             "vllm-overlay KV pool tier: jobs still running %.1f s into a drain "
-            "(pool %s, state %s): %d store(s) reported failed, their late "
-            "completions ignored; loads cancelled%s",
+            "(pool %s, state %s): %d store(s) stopped and reported failed (their "
+            "late completions ignored), loads stopped%s",
             limit,
             self.config.redacted_url,
             self.pool.state(),
             len(stores),
-            f" ({len(stuck)} still writing, reported failed)" if stuck else "",
+            f" ({len(stuck)} still running, reported failed)" if stuck else "",
         )
+        if wedged or stuck:
+            logger.error(
+                "vllm-overlay KV pool tier: %d store(s) and %d load(s) could not "
+                "be stopped within %.1f s (a pool thread inside one read or write "
+                "all that time): they may still "
+                "touch host memory that upstream now reuses",
+                wedged,
+                len(stuck),
+                GRACE_S,
+            )
 
     def shutdown(self) -> None:
         self.pool.close()
