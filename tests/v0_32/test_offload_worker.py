@@ -4,7 +4,10 @@ entered part way, per-layer tensors and one packed (cross-layer) tensor,
 store then load round trips; a transfer that raises is redone, and one
 that keeps raising fails alone; upstream's consumer (with OF32-04/05)
 takes its failure, also under ``python -O``; ``wait`` returns once its
-jobs are done.  Real vLLM 0.32 specs, no engine."""
+jobs are done, and past its deadline fails them, through upstream's
+caller; a store failure one worker reports steps before another worker's
+completion fails the store (OF32-06, through upstream's aggregation).  Real
+vLLM 0.32 specs, no engine."""
 
 from __future__ import annotations
 
@@ -310,3 +313,172 @@ def test_upstreams_scheduler_completes_a_failed_store_as_not_stored():
     assert manager.stores == [(["k7"], "ctx", False), (["k8"], "ctx", True)]
     assert scheduler._jobs == {} and scheduler._req_status["r"].transfer_jobs == set()
     assert "complete_store" not in vars(manager)  # the manager is its own again
+
+
+def test_a_failure_one_worker_reports_steps_before_the_other_completes():
+    """Two workers' outputs through upstream's own aggregation
+    (``KVOutputAggregator``, which sums ``completed_jobs`` per step) into
+    upstream's ``update_connector_output``: worker 1's store 7 failed and
+    is reported in step 1, worker 0's copy of it completes in step 2.  The
+    store completes in step 2 with success=False (without keeping the
+    failure across steps it completed as stored); store 8, good on both
+    workers and split the same way, completes as stored."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+        TransferJobStatus,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED
+
+    assert vllm_overlay.register() == "applied"
+
+    class Manager:
+        def __init__(self):
+            self.stores = []
+
+        def complete_store(self, keys, req_context, success=True):
+            self.stores.append((sorted(keys), success))
+
+    scheduler = OffloadingConnectorScheduler.__new__(OffloadingConnectorScheduler)
+    scheduler.manager = manager = Manager()
+    scheduler._stale_job_threshold = 0
+    scheduler._block_id_to_pending_jobs = {}
+    scheduler._chunks_being_loaded = set()
+    scheduler._jobs = {
+        7: TransferJobStatus("r", 2, {"k7"}, True),  # two workers
+        8: TransferJobStatus("r", 2, {"k8"}, True),
+    }
+    scheduler._req_status = {
+        "r": SimpleNamespace(
+            req_context="ctx", transfer_jobs={7, 8}, finished_signaled=False, req=None
+        )
+    }
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+
+    def step(worker0: dict, worker1: dict) -> None:
+        outputs = [
+            SimpleNamespace(
+                kv_connector_output=KVConnectorOutput(
+                    kv_connector_worker_meta=OffloadingWorkerMetadata(
+                        completed_jobs=dict(jobs)
+                    )
+                    if jobs
+                    else None
+                )
+            )
+            for jobs in (worker0, worker1)
+        ]
+        out = aggregator.aggregate(outputs)
+        scheduler.update_connector_output(out.kv_connector_output)
+
+    step({}, {7: 1 + FAILED, 8: 1})  # worker 1: 7 failed, 8 done
+    assert manager.stores == [] and set(scheduler._jobs) == {7, 8}
+    step({7: 1, 8: 1}, {})  # worker 0: both done, a step later
+    assert manager.stores == [(["k7"], False), (["k8"], True)]
+    assert scheduler._jobs == {} and scheduler._req_status["r"].transfer_jobs == set()
+    assert not vars(scheduler).get("_overlay_failed_store_jobs")  # none kept
+    assert "complete_store" not in vars(manager)
+
+
+def test_a_flush_past_the_wait_deadline_fails_its_jobs_not_the_engine(
+    monkeypatch, caplog
+):
+    """Upstream's caller of ``wait``, ``OffloadingConnectorWorker.
+    handle_preemptions`` (a flush: preempted requests, reused blocks,
+    reset_cache), with a load whose copy does not finish and a store queued
+    behind it.  Past the deadline (shortened here: 120 s in the engine)
+    the step goes on (upstream's waits block; this one raised TimeoutError
+    into the engine's step, which killed the engine): the load is reported
+    finished and failed (kv_load_failure_policy applies), the store
+    completed with FAILED (not kept).  The queued store never runs (its
+    host chunk stays as it was), the stuck copy's late result is dropped
+    (never reported twice), and the worker serves on."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    from vllm_overlay.integration.v0_32 import offload_worker
+    from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED
+
+    assert vllm_overlay.register() == "applied"
+    monkeypatch.setattr(offload_worker, "WAIT_DEADLINE_S", 0.5)
+    spec = SimpleNamespace(
+        replicated_layout=False,
+        config=SimpleNamespace(parallel=SimpleNamespace(rank=0)),
+    )
+    consumer = OffloadingConnectorWorker(spec, None, None)
+    kv = caches(1)
+    worker = consumer.worker = CPUPlatformOffloadingWorker(kv, 1, num_cpu_chunks=4)
+    connector = OffloadingConnector.__new__(OffloadingConnector)
+    connector.connector_worker = consumer
+    gate, move = threading.Event(), worker._move
+
+    def stuck(kind, ids, rows):
+        if kind == "load" and int(ids[0]) == 5:
+            assert gate.wait(timeout=60)
+        return move(kind, ids, rows)
+
+    worker._move = stuck
+    try:
+        worker.host[1].fill_(7)
+        load = TransferJob("r9", CPULoadStoreSpec([1]), GPULoadStoreSpec([5], [1], [0]))
+        loads = OffloadingConnectorMetadata({9: load}, {})
+        connector._connector_metadata = loads
+        consumer.start_kv_transfers(loads)
+        store = TransferJob(
+            "r7", GPULoadStoreSpec([3], [1], [0]), CPULoadStoreSpec([2])
+        )
+        consumer.prepare_store_kv(OffloadingConnectorMetadata({}, {7: store}))
+        start = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="vllm.overlay"):
+            consumer.handle_preemptions(
+                OffloadingConnectorMetadata({}, {}, jobs_to_flush={7, 9})
+            )
+        assert time.monotonic() - start < 30
+        results = connector.get_transfer_results(set())
+        assert results.finished_recving == {"r9"}
+        assert results.failed_recving == {"r9"}
+        meta = consumer.build_connector_worker_meta()
+        assert meta.completed_jobs == {7: 1 + FAILED, 9: 1}
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        (error,) = [r for r in errors if "not done" in r.getMessage()]
+        assert "[7, 9] not done within 0.5 s" in error.getMessage()
+        assert "job 9's copy is still under way" in error.getMessage()
+        gate.set()  # the stuck copy finishes late
+        deadline = time.monotonic() + 30
+        while (worker._running is not None or worker._given_up) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert worker._given_up == set() and worker._running is None
+        assert worker.get_finished() == []  # the late result dropped
+        assert torch.equal(worker.host[2], torch.zeros_like(worker.host[2]))
+        assert torch.equal(kv.tensors[0].tensor[5], worker.host[1])  # (late)
+        assert worker.failed == {"store": 1, "load": 1}
+        # The worker serves on.
+        again = GPULoadStoreSpec([3], [1], [0])
+        assert worker.submit_store(11, again, CPULoadStoreSpec([2]))
+        assert finish(worker, [11]) == {11: True}
+        assert torch.equal(worker.host[2], kv.tensors[0].tensor[3])
+        assert worker._thread.is_alive() and not worker._pending
+    finally:
+        gate.set()
+        worker.shutdown()

@@ -26,7 +26,12 @@ default the worker allocates the memory at startup; a caller can hand it in
 instead (``host``): the tiering spec gives it its slot of the primary
 tier's shared region, which the scheduler's secondary tiers read and write.
 Transfers run in submission order on one background thread, never on the
-engine's, and ``wait`` has a deadline.  A transfer that raises is redone
+engine's.  ``wait`` blocks until its jobs are done, as upstream's does (its
+caller, ``handle_preemptions``, reuses their blocks next), but not forever:
+a job still pending after ``WAIT_DEADLINE_S`` (or at once, if the thread
+died) is given up, as a failed transfer its caller already takes (below):
+one still queued never runs, one whose copy is under way has its result
+dropped, and an error names them.  A transfer that raises is redone
 from the start on that thread, up to ``TRANSFER_RETRIES`` more times (a
 partly done copy is simply copied again; each failure is a warning naming
 the job and the attempt).  One that still fails is reported failed (an
@@ -61,6 +66,7 @@ from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 logger = logging.getLogger("vllm.overlay")
 
 WAIT_DEADLINE_S = 120.0  # wait(): no transfer of a few blocks takes this long
+_WAIT_TICK_S = 1.0  # wait() checks the thread is alive this often
 TRANSFER_RETRIES = 2  # a transfer that raised is redone this many times more
 _STOP = object()
 
@@ -124,7 +130,9 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         self.failed = {"store": 0, "load": 0}  # jobs given up
         self._jobs: queue.Queue = queue.Queue()
         self._done: collections.deque = collections.deque()
-        self._pending: set[int] = set()
+        self._pending: dict[int, str] = {}  # job -> "store" | "load"
+        self._given_up: set[int] = set()  # by wait(): results not reported
+        self._running: int | None = None  # the job whose copy is under way
         self._cond = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, name="vllm-overlay-offload", daemon=True
@@ -175,17 +183,18 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         return out
 
     def wait(self, job_ids: set[int]) -> None:
+        """Until ``job_ids`` are done, as upstream's ``wait`` (its caller
+        then reuses their blocks); those still pending after
+        ``WAIT_DEADLINE_S``, or once the thread died, are given up and
+        reported failed, never raised into the engine's step."""
         deadline = time.monotonic() + WAIT_DEADLINE_S
         with self._cond:
-            while self._pending & set(job_ids):
+            while late := self._pending.keys() & set(job_ids):
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
-                    raise TimeoutError(
-                        "vllm-overlay CPU offloading: transfers "
-                        f"{sorted(self._pending & set(job_ids))} not done "
-                        f"within {WAIT_DEADLINE_S:.0f} s"
-                    )
-                self._cond.wait(left)
+                    self._give_up(late)
+                    return
+                self._cond.wait(min(left, _WAIT_TICK_S))
 
     def shutdown(self) -> None:
         self._jobs.put(_STOP)
@@ -220,9 +229,32 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
             )
         return rows
 
+    def _give_up(self, jobs: set[int]) -> None:
+        """(Under ``_cond``.)  ``jobs`` fail now: each is reported failed
+        (``get_finished``); a queued one never runs, a running one's result
+        is dropped."""
+        alive = self._thread.is_alive()
+        for job_id in sorted(jobs):
+            kind = self._pending.pop(job_id)
+            self.failed[kind] += 1
+            self._given_up.add(job_id)
+            self._done.append(TransferResult(job_id, False))
+        running = self._running if self._running in jobs else None
+        logger.error(
+            "vllm-overlay CPU offloading: transfer job(s) %s not done %s; "
+            "reported failed (a load's request is recomputed or ends with an "
+            "error, as kv_load_failure_policy says; a store is not kept)%s",
+            sorted(jobs),
+            f"within {WAIT_DEADLINE_S:g} s" if alive else "(the thread died)",
+            f"; job {running}'s copy is still under way (its result will be "
+            "dropped; a load may still write its blocks)"
+            if running is not None
+            else "; none of them will run",
+        )
+
     def _submit(self, job_id: int, kind: str, ids, rows) -> bool:
         with self._cond:
-            self._pending.add(job_id)
+            self._pending[job_id] = kind
         self._jobs.put((job_id, kind, torch.from_numpy(ids), torch.from_numpy(rows)))
         return True
 
@@ -231,6 +263,16 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
         return self.host_blocks.copy(ids, rows, kind == "store")
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            logger.exception(
+                "vllm-overlay CPU offloading: the transfer thread died; the "
+                "transfers it had not done are reported failed when waited for"
+            )
+            raise
+
+    def _serve(self) -> None:
         """Transfers in submission order; one that raises is redone, then
         fails alone."""
         while True:
@@ -238,6 +280,11 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
             if job is _STOP:
                 return
             job_id, kind, ids, rows = job
+            with self._cond:
+                if job_id in self._given_up:  # by wait(): reported failed
+                    self._given_up.discard(job_id)
+                    continue
+                self._running = job_id
             start = time.perf_counter()
             ok = self._transfer(job_id, kind, ids, rows)
             result = TransferResult(
@@ -247,8 +294,20 @@ class CPUPlatformOffloadingWorker(OffloadingWorker):
                 time.perf_counter() - start,
             )
             with self._cond:
+                self._running = None
+                if job_id in self._given_up:
+                    self._given_up.discard(job_id)
+                    logger.warning(
+                        "vllm-overlay CPU offloading: %s job %d done %.1f s "
+                        "after it started, after wait() gave it up; its "
+                        "result is dropped (it was reported failed)",
+                        kind,
+                        job_id,
+                        result.transfer_time,
+                    )
+                    continue
                 self._done.append(result)
-                self._pending.discard(job_id)
+                self._pending.pop(job_id, None)
                 self._cond.notify_all()
             TRANSFER_DONE.set()  # an idle engine of this process steps now
 
