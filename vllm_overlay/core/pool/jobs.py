@@ -59,17 +59,25 @@ class LoadJob:
 @dataclasses.dataclass(frozen=True)
 class StoreOutcome:
     """What became of one ``submit_store``'s values: ``written`` now,
-    ``present`` already (not written again); the others were not stored
-    (dropped over the in-flight limit, writes paused, or failed)."""
+    ``present`` already (not written again), ``failed`` (tried: the
+    server refused them, or the write failed or timed out); the others
+    were dropped on purpose, never tried (over the in-flight limit, or
+    while writes were paused)."""
 
     total: int
     written: int = 0
     present: int = 0
+    failed: int = 0
 
     @property
     def complete(self) -> bool:
         """Every value is in the pool."""
         return self.written + self.present == self.total
+
+    @property
+    def dropped(self) -> int:
+        """Values not tried (the pool's own limits)."""
+        return self.total - self.written - self.present - self.failed
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,6 +89,7 @@ class StoreJob:
     total: int  # values submitted (admitted or not)
     written: int = 0
     present: int = 0
+    failed: int = 0
     released: bool = False
     # Every read of the caller's payloads (``encode``, each send of a
     # payload's bytes) happens under ``guard.lock`` while
@@ -88,4 +97,4 @@ class StoreJob:
     guard: Guard = dataclasses.field(default_factory=Guard)
 
     def outcome(self) -> StoreOutcome:
-        return StoreOutcome(self.total, self.written, self.present)
+        return StoreOutcome(self.total, self.written, self.present, self.failed)

@@ -247,6 +247,7 @@ class PoolStores:
             elapsed = time.perf_counter() - start
             stored = sum(1 for a in answers if not isinstance(a, Exception))
             job.written = stored
+            job.failed = len(values) - stored  # refused by the server
             with self._lock:
                 self.stats.stored_blocks += stored
                 self.stats.dropped_stores += len(values) - stored
@@ -265,6 +266,7 @@ class PoolStores:
                 self._ok(WRITE)
         except Exception as exc:  # noqa: BLE001
             job.written += len(answered)
+            job.failed = len(items) - job.present - job.written  # (tried)
             with self._lock:  # (answered: stored before the exchange failed)
                 self.stats.stored_blocks += len(answered)
                 self.stats.bytes_out += sum(answered)

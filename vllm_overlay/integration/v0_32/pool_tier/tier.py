@@ -26,7 +26,9 @@ Config (an entry of ``secondary_tiers``): ``type: SharedPoolTier``,
 options (``url``, ``namespace``, ``cluster``, timeouts, limits, ``ttl_s``,
 TLS and secret options: ``core/pool/config.py``); optionally ``locality``
 (``REMOTE``, the default, or ``LOCAL``: upstream's factory also picks its
-back-pressure watermarks by it) and upstream's ``backpressure``."""
+back-pressure watermarks by it, and for an entry without it the tier builds
+its detector again for REMOTE: ``backpressure.py``) and upstream's
+``backpressure``."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ from vllm_overlay.core.pool.pool import GRACE_S, KVPool
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
 from vllm_overlay.core.pool.refusals import LoadSummary, log_refusal
 from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
-from vllm_overlay.integration.v0_32.pool_tier import identity, stats
+from vllm_overlay.integration.v0_32.pool_tier import backpressure, identity, stats
 from vllm_overlay.integration.v0_32.pool_tier.lookups import LookupVerdicts
 
 logger = logging.getLogger("vllm.overlay")
@@ -85,16 +87,19 @@ class SharedPoolTier(SecondaryTierManager):
         backpressure_detector=None,
         **options,
     ) -> None:
+        # Upstream's factory passes ``locality`` on and picks the
+        # back-pressure defaults by it; the pool is remote unless told, and
+        # its detector is built for the locality it reports.
+        pool_options, locality = tier_options(options)
         super().__init__(
             offloading_spec=offloading_spec,
             primary_kv_view=primary_kv_view,
             tier_type=tier_type,
-            backpressure_detector=backpressure_detector,
+            backpressure_detector=backpressure.for_locality(
+                backpressure_detector, offloading_spec, tier_type, options, locality
+            ),
         )
         require_dependencies()  # one clear error now, not a dead thread later
-        # Upstream's factory passes ``locality`` on (it also picks the
-        # back-pressure defaults by it); the pool is remote unless told.
-        pool_options, locality = tier_options(options)
         self.locality = Locality(locality)
         self.config = PoolConfig.from_dict(pool_options)
         spec_config = offloading_spec.config
@@ -191,13 +196,21 @@ class SharedPoolTier(SecondaryTierManager):
 
     def _stored(self, job_id: int, outcome) -> None:
         """The store thread (or submit_store): the chunks are free again.
-        A store succeeds when every chunk is in the pool; one that was not
-        (dropped over the in-flight limit, writes paused, or failed) fails:
-        upstream counts it as a failed cascade.  Its back-pressure detector
-        takes successful stores only on 0.32; 0.33 also tells it of failed
-        ones, which count only with ``backpressure.failure_threshold`` set
-        (then a pool that drops stores throttles the cascades to it).
-        ``transfer_bytes``: the chunks written."""
+
+        What upstream is told follows 0.33's contract (``JobResult``,
+        ``TieringOffloadingManager._update_backpressure``, the detector's
+        ``update``): a store fails when a chunk the pool tried to write was
+        not stored (the server refused it, the write failed or timed out):
+        a failed cascade, which 0.33 also hands to its back-pressure
+        detector (``on_store_failed``: with ``failure_threshold`` set,
+        consecutive failures put the tier under pressure).  Chunks the
+        pool dropped on purpose, without trying (over the in-flight limit,
+        or while writes are paused after a failure), are no failure: the
+        store succeeds with ``transfer_bytes`` the chunks written, and a
+        detector learns nothing from a store that wrote nothing (``update``
+        ignores 0 bytes; both releases).  The pool counts the dropped
+        chunks (its ``dropped_stores``); upstream's write counters count a
+        successful cascade's chunks as written."""
         with self._stores_lock:
             start = self._stores.pop(job_id, None)
             if start is None:
@@ -205,8 +218,8 @@ class SharedPoolTier(SecondaryTierManager):
             self._done.append(
                 JobResult(
                     job_id,
-                    success=outcome.complete,
-                    transfer_time=time.monotonic() - start,
+                    success=outcome.failed == 0,
+                    transfer_time=time.monotonic() - start if outcome.written else None,
                     transfer_bytes=outcome.written * self.block_size_bytes,
                 )
             )
