@@ -87,7 +87,7 @@ def _block_dim(kv_cache: torch.Tensor, num_blocks: int | None) -> int:
     return max(dims, key=lambda d: kv_cache.stride(d))
 
 
-def page_layout(layer, block_size: int, num_blocks: int | None) -> str:
+def page_layout(layer, block_size: int, num_blocks: int | None, dtype) -> str:
     """The digest of what ``layer``'s backend writes into a page."""
     backend = layer.attn_backend.get_name()
     impl, cache = layer.impl, layer.kv_cache
@@ -105,7 +105,6 @@ def page_layout(layer, block_size: int, num_blocks: int | None) -> str:
     shape = list(cache.shape)
     shape[_block_dim(cache, num_blocks)] = 2
     scratch = torch.zeros(shape, dtype=cache.dtype, device=cache.device)
-    dtype = layer.dtype if hasattr(layer, "dtype") else torch.float32
     key = probe_tokens(block_size, heads, size, dtype, cache.device, 1)
     value = probe_tokens(block_size, heads, size, dtype, cache.device, 7)
     slots = torch.arange(block_size, 2 * block_size, device=cache.device)
@@ -140,6 +139,7 @@ def worker_identity(worker) -> dict:
     config = getattr(runner, "kv_cache_config", None)
     num_blocks = getattr(config, "num_blocks", None)
     block_size = worker.vllm_config.cache_config.block_size
+    dtype = worker.vllm_config.model_config.dtype  # what the KV write takes
     pages = set()
     layouts: dict = {}
     for layer in _attention_layers(worker.vllm_config).values():
@@ -151,7 +151,7 @@ def worker_identity(worker) -> dict:
         )
         if key not in layouts:
             size = getattr(spec, "block_size", None) or block_size
-            layouts[key] = page_layout(layer, size, num_blocks)
+            layouts[key] = page_layout(layer, size, num_blocks, dtype)
         pages.add(layouts[key])
     with torch.no_grad():
         weights = weights_digest(model)
