@@ -60,6 +60,7 @@ from vllm_overlay.core.pool.keys import namespace_tag, pool_key
 from vllm_overlay.core.pool.pool import GRACE_S, KVPool
 from vllm_overlay.core.pool.ratelog import RateLimitedLog
 from vllm_overlay.core.pool.refusals import LoadSummary, log_refusal
+from vllm_overlay.integration.v0_32 import kv_identity
 from vllm_overlay.integration.v0_32.idle_wait import TRANSFER_DONE
 from vllm_overlay.integration.v0_32.pool_tier import backpressure, identity, stats
 from vllm_overlay.integration.v0_32.pool_tier.lookups import LookupVerdicts
@@ -104,9 +105,13 @@ class SharedPoolTier(SecondaryTierManager):
         self.config = PoolConfig.from_dict(pool_options)
         spec_config = offloading_spec.config
         chunk = self.block_size_bytes
-        self.ns = namespace_tag(
-            identity.tier_factors(spec_config, chunk, self.config.namespace)
+        # The engine's measured part (weights, page layout): re-keyed when
+        # a prefix-cache reset finds other weights (``rekey``).
+        self._engine = kv_identity.engine(spec_config.engine_id)
+        self._identity_of = functools.partial(
+            identity.tier_factors, spec_config, chunk, self.config.namespace
         )
+        self.ns = namespace_tag(self._identity_of(self._engine.factors()))
         self._layout = codec.layout_tag(identity.layout_description(spec_config, chunk))
         self._rows = numpy.asarray(primary_kv_view).view(numpy.uint8)
         self._value_bytes = chunk + codec.HEADER_BYTES
@@ -130,6 +135,7 @@ class SharedPoolTier(SecondaryTierManager):
             self.pool.on_result = TRANSFER_DONE.set
             self._lookups = LookupVerdicts(self.pool, self._name)
             self.pool.probe()  # an unreachable pool is reported now (background)
+            self._engine.subscribe(self)
         except BaseException:
             self.pool.close()
             raise
@@ -143,6 +149,23 @@ class SharedPoolTier(SecondaryTierManager):
             "signed (shared secret)" if self.config.mac_key else "unsigned",
             chunk,
             self._rows.shape[0],
+        )
+
+    def rekey(self, engine_factors: list[str]) -> None:
+        """The engine's weights (or page layout) changed: from now on this
+        tier reads and writes another namespace, and forgets what it knew
+        of the old one.  Called on the engine's thread after a prefix-cache
+        reset (upstream's ``reset_cache`` drained every job) or an RPC to
+        the workers (between steps)."""
+        old = self.ns
+        self.ns = namespace_tag(self._identity_of(engine_factors))
+        self._lookups.clear()
+        logger.warning(
+            "vllm-overlay KV pool tier: the engine's weights changed (measured after "
+            "a prefix-cache reset or an RPC to the workers): namespace %s -> %s; "
+            "values stored under the old weights are never loaded by this engine again",
+            old.hex()[:12],
+            self.ns.hex()[:12],
         )
 
     def _name(self, key: bytes) -> bytes:
@@ -183,15 +206,14 @@ class SharedPoolTier(SecondaryTierManager):
             self._stores[job_metadata.job_id] = time.monotonic()
         self.pool.submit_store(
             items,
-            encode=self._encode,
+            # the namespace its keys were named in (a rekey may come first)
+            encode=functools.partial(self._encode, self.ns),
             on_done=functools.partial(self._stored, job_metadata.job_id),
         )
 
-    def _encode(self, name: bytes, payload):
+    def _encode(self, ns: bytes, name: bytes, payload):
         """The store thread: header (checksum, MAC) and payload, two buffers."""
-        head = codec.encode_header(
-            self.ns, name, payload, self._layout, self.config.mac_key
-        )
+        head = codec.encode_header(ns, name, payload, self._layout, self.config.mac_key)
         return head, payload
 
     def _stored(self, job_id: int, outcome) -> None:
