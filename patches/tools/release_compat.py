@@ -67,7 +67,10 @@ sys.path.insert(0, str(TOOLS))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import fetch_sdist  # noqa: E402
+import record_diff  # noqa: E402
+import release_sources  # noqa: E402
 import static_imports  # noqa: E402
+import upstream_follow  # noqa: E402
 
 from vllm_overlay import version_gate  # noqa: E402
 
@@ -80,88 +83,28 @@ FOLLOWED = ("vllm_overlay.core",)  # overlay modules followed from SOURCES
 # set the tool works on (PATCH_SET, REFERENCE, RECORD; default v0_32).
 SETS = {"v0_32": "0.32.0", "v0_33": "0.33.0"}
 
-# Upstream files the set's code never imports but whose behaviour it relies
-# on (paths in the vLLM tree) -> why.  A change there can break the overlay
-# with every patch still applying, so they are touched files too.
-RELIED_ON = {
-    "vllm/v1/kv_offload/tiering/manager.py": "TieringOffloadingManager calls "
-    "the pool tier's drain_jobs() in reset_cache and then asserts every job "
-    "finished (the drain contract SharedPoolTier keeps)",
-    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py": "the "
-    "only consumer of the CPU worker's TransferResults (what it does with "
-    "success=False)",
-    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py": "the "
-    "OffloadingConfig the spec, the tiers and PT32-01 read",
-    "vllm/v1/kv_offload/cpu/gpu_worker.py": "upstream's host chunk layout, "
-    "which the CPU worker and a pool shared with GPU nodes must match",
-    "vllm/v1/kv_offload/cpu/shared_offload_region.py": "the host region whose "
-    "per-tensor views (create_next_worker_view) fix the chunk layout the CPU "
-    "worker writes (tests/v0_32/test_chunk_layout.py)",
-    "vllm/v1/core/sched/scheduler.py": "the request queues the idle wait "
-    "(integration/v0_32/idle_wait.py) reads",
-}
-
-
-# The v0_33 set, per feature (version_gate.FEATURE_RELEASES' names): the
-# overlay code it runs (files or folders; the feature's patch modules are
-# added from the set's FEATURES) and the upstream files it relies on without
-# importing them, each with why.  Overlay modules imported from them are
-# followed under FOLLOWED_0_33 (not the patch packages: a feature's patches
-# are its FEATURES' modules only).
+# The hand lists (each file with why) and the followed packages: see
+# release_sources; what they lead to is derived (upstream_follow).
+RELIED_ON = release_sources.RELIED_ON
+FEATURE_SOURCES = release_sources.FEATURE_SOURCES
+IDENTITY_FUNCTIONS = release_sources.IDENTITY_FUNCTIONS
+# Overlay modules followed from a v0_33 feature's sources (not the patch
+# packages: a feature's patches are its FEATURES' modules only).
 FOLLOWED_0_33 = ("vllm_overlay.core", "vllm_overlay.integration")
-_POOL_MANAGER = "the manager drives every tier method (lookups, stores, "
-FEATURE_SOURCES: dict[str, dict] = {
-    "pool_tier": {
-        "sources": [
-            "vllm_overlay/patches/v0_32/patch_offloading_connector.py",
-            "vllm_overlay/integration/v0_32/pool_tier",
-        ],
-        "relied_on": {
-            "vllm/v1/kv_offload/tiering/manager.py": _POOL_MANAGER
-            + "promotions, drain_jobs in reset_cache, the promotion hold "
-            "after a reset) and asserts every job it is told of is known",
-            "vllm/v1/kv_offload/tiering/spec.py": "builds the manager and "
-            "the tiers from secondary_tiers (tier_poll_interval_s, the "
-            "config_info keys)",
-            "vllm/v1/kv_offload/tiering/factory.py": "loads the tier by "
-            "module_path and takes out type/module_path/backpressure "
-            "(config_check.FACTORY_KEYS)",
-            "vllm/v1/kv_offload/tiering/backpressure.py": "fed by the tier's "
-            "JobResults (failed stores count with failure_threshold set)",
-            "vllm/v1/kv_offload/tiering/metrics.py": "reads the JobResults' "
-            "transfer sizes and times",
-            "vllm/v1/kv_offload/config.py": "the OffloadingConfig fields "
-            "identity.tier_factors namespaces the pool by",
-            "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
-            "config.py": "build_offloading_config, which PT32-01 wraps",
-            "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
-            "scheduler.py": "calls the manager under its lock: lookups, "
-            "on_schedule_end (the tier's per-step flush), the reset fence",
-        },
-    },
-    "pp_prop_kv_cache": {
-        "sources": ["vllm_overlay/integration/v0_32/pp_kv.py"],
-        "relied_on": {
-            "vllm/v1/core/kv_cache_planning.py": "defines the "
-            "get_kv_cache_configs PP33-04 wraps: blocks = memory // bytes "
-            "per block per worker, then the min over stages",
-            "vllm/v1/core/kv_cache_config_builder.py": "the bytes per block "
-            "that arithmetic divides by",
-            "vllm/v1/worker/gpu_worker.py": "determine_available_memory "
-            "reports kv_cache_memory_bytes as each worker's memory",
-            "vllm/distributed/utils.py": "get_pp_indices: the partition the "
-            "split's layer counts follow",
-        },
-    },
-}
 
 
-def patch_targets(patch_set: str = PATCH_SET, feature: str | None = None) -> list[str]:
-    """The upstream modules the set's patches target (``Patch.module``);
-    of one FEATURE's patch modules (the set's ``FEATURES``) if given."""
+def patch_targets(
+    patch_set: str = PATCH_SET, feature: str | None = None
+) -> dict[str, list[str]]:
+    """The upstream modules the set's patches target (``Patch.module``) ->
+    the ids of the patches on each, sorted; of one FEATURE's patch modules
+    (the set's ``FEATURES``) if given."""
     package = importlib.import_module(f"vllm_overlay.patches.{patch_set}")
     modules = package.FEATURES[feature] if feature else package.MODULES
-    return sorted({p.module for m in modules for p in m.PATCHES})
+    targets: dict[str, list[str]] = {}
+    for patch in (p for m in modules for p in m.PATCHES):
+        targets.setdefault(patch.module, []).append(patch.id)
+    return {module: sorted(ids) for module, ids in sorted(targets.items())}
 
 
 def _overlay_file(module: str) -> pathlib.Path | None:
@@ -198,13 +141,14 @@ def overlay_files(
     return seen
 
 
-def imported_modules(files: list[pathlib.Path]) -> dict[str, set[str]]:
-    """vllm module -> the names imported from it (None for ``import``)."""
-    out: dict[str, set[str]] = {}
+def imported_modules(files: list[pathlib.Path]) -> dict[str, dict[str, str]]:
+    """vllm module -> the names imported from it ("" for ``import``) -> the
+    first overlay file (of FILES, in order) that imports it."""
+    out: dict[str, dict[str, str]] = {}
     for path in files:
         rel = str(path.relative_to(ROOT))
         for _, module, name in static_imports.vllm_imports(path.read_text(), rel):
-            out.setdefault(module, set()).add(name or "")
+            out.setdefault(module, {}).setdefault(name or "", rel)
     return out
 
 
@@ -244,10 +188,11 @@ def _grouped() -> bool:
     return bool(getattr(package, "FEATURES", None))
 
 
-def feature_files(reference: Sdist, patch_set: str, feature: str) -> list[str]:
+def feature_files(reference: Sdist, patch_set: str, feature: str) -> dict[str, str]:
     """The touched upstream files of one FEATURE of a set that groups them
-    (``FEATURE_SOURCES``): its patch modules' targets, the vllm modules
-    its patch modules and sources import, the files it relies on."""
+    (``FEATURE_SOURCES``) -> why: its patch modules' targets, the vllm
+    modules its patch modules and sources import, the files it relies on,
+    and what they lead to (``touched_files``)."""
     package = importlib.import_module(f"vllm_overlay.patches.{patch_set}")
     own = [
         str(pathlib.Path(m.__file__).relative_to(ROOT))
@@ -261,40 +206,58 @@ def feature_files(reference: Sdist, patch_set: str, feature: str) -> list[str]:
         files,
         spec["relied_on"],
         reference_version=SETS[patch_set],
+        functions=spec["functions"],
     )
 
 
 def touched_files(
     reference: Sdist,
-    targets: list[str] | None = None,
+    targets: dict[str, list[str]] | None = None,
     files: list[pathlib.Path] | None = None,
     relied_on: dict[str, str] = RELIED_ON,
     reference_version: str = REFERENCE,
-) -> list[str]:
-    """The touched upstream files (paths in the vLLM tree), sorted: of the
-    v0_32 set by default; else of TARGETS, the vllm imports of FILES and
-    RELIED_ON."""
-    found = set()
-    targets = patch_targets() if targets is None else targets
-    modules = dict.fromkeys(targets, {""})
-    for module, names in imported_modules(
-        overlay_files() if files is None else files
-    ).items():
-        modules.setdefault(module, set()).update(names)
-    for rel in relied_on:
+    functions: dict[str, str] = IDENTITY_FUNCTIONS,
+) -> dict[str, str]:
+    """The touched upstream files (paths in the vLLM tree) -> why, sorted:
+    of the v0_32 set by default; else of TARGETS (module -> patch ids), the
+    vllm imports of FILES, RELIED_ON and the files of FUNCTIONS (``"path:
+    Qual.name"`` -> why); then what those lead to: the modules of the
+    FOLLOWED packages they import, and the files defining what FUNCTIONS
+    call (``upstream_follow``)."""
+    why: dict[str, str] = {}
+    for rel, reason in relied_on.items():
         if reference.read(rel) is None:
             raise SystemExit(f"vLLM {reference_version} has no file {rel} (RELIED_ON)")
-        found.add(rel)
-    for module, names in modules.items():
+        why[rel] = f"relied on: {reason}"
+    for key, reason in functions.items():
+        rel, name = key.split(":", 1)
+        if reference.read(rel) is None:
+            raise SystemExit(f"vLLM {reference_version} has no file {rel} ({name})")
+        why.setdefault(rel, f"{name}: {reason}")
+    targets = patch_targets() if targets is None else targets
+    for module, ids in targets.items():
         path = reference.module_file(module)
         if path is None:
             raise SystemExit(f"vLLM {reference_version} has no module {module}")
-        found.add(path)
-        for name in names - {"", "*"}:  # `from package import submodule`
-            sub = reference.module_file(f"{module}.{name}")
-            if sub is not None:
-                found.add(sub)
-    return sorted(found)
+        why.setdefault(path, f"patched ({', '.join(ids)})")
+    imported = imported_modules(overlay_files() if files is None else files)
+    for module, names in imported.items():
+        path = reference.module_file(module)
+        if path is None:
+            raise SystemExit(f"vLLM {reference_version} has no module {module}")
+        why.setdefault(path, f"imported by {min(names.values())}")
+        for name, by in names.items():  # `from package import submodule`
+            sub = reference.module_file(f"{module}.{name}") if name != "*" else None
+            if name and sub is not None:
+                why.setdefault(sub, f"imported by {by}")
+    graph = upstream_follow
+    for rel, reason in graph.follow_modules(
+        reference, sorted(why), release_sources.FOLLOWED
+    ).items():
+        why.setdefault(rel, reason)
+    for rel, reason in graph.follow_functions(reference, functions).items():
+        why.setdefault(rel, reason)
+    return dict(sorted(why.items()))
 
 
 def sha256(data: bytes) -> str:
@@ -337,16 +300,23 @@ def build(
     run on it; COMMITTED's runs and builds are kept where still valid."""
     committed, tested = committed or {}, tested or {}
     reference = _sdist(REFERENCE, offline)
-    features = {}
+    features: dict[str, list[str]] = {}
     if _grouped():
         package = importlib.import_module(f"vllm_overlay.patches.{PATCH_SET}")
-        features = {
-            feature: feature_files(reference, PATCH_SET, feature)
-            for feature in package.FEATURES
-        }
-        files = sorted({rel for rels in features.values() for rel in rels})
+        why: dict[str, str] = {}
+        for feature in package.FEATURES:
+            found = feature_files(reference, PATCH_SET, feature)
+            features[feature] = sorted(found)
+            for rel, reason in found.items():
+                why[rel] = (
+                    f"{why[rel]}; {feature}: {reason}"
+                    if rel in why
+                    else (f"{feature}: {reason}")
+                )
+        why = dict(sorted(why.items()))
     else:
-        files = touched_files(reference)
+        why = touched_files(reference)
+    files = list(why)
     touched = {rel: sha256(reference.read(rel)) for rel in files}
     checked = {}
     for version in sorted(set(releases) | set(tested), key=_version_key):
@@ -369,6 +339,7 @@ def build(
         "reference": REFERENCE,
         "touched": touched,
         **({"features": features} if features else {}),
+        "why": why,
         "releases": checked,
         "builds": dict(committed.get("builds", {})),
     }
@@ -492,8 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         if not RECORD.exists() or RECORD.read_text() != text:
             print(
                 f"{rel} is stale (run python patches/tools/release_compat.py "
-                f"--set {PATCH_SET})"
+                f"--set {PATCH_SET}); the committed record -> a rebuilt one:"
             )
+            lines = record_diff.differences(committed, json.loads(text))
+            for line in lines or ["the same content, written differently"]:
+                print(f"  {line}")
             return 1
     else:
         RECORD.write_text(text)
