@@ -146,20 +146,33 @@ def combine(results: list[dict]) -> tuple[str, str]:
     return weights.hexdigest(), ";".join(sorted(pages))
 
 
+def _secondary_tiers(transfer) -> bool:
+    """Whether a KV transfer config (MultiConnector's nested ones too) has
+    secondary tiers, which a shared pool is one of."""
+    key = "kv_connector_extra_config"
+    if isinstance(transfer, dict):
+        extra = transfer.get(key)
+    else:
+        extra = getattr(transfer, key, None)
+    if not isinstance(extra, dict):
+        return False
+    nested = extra.get("connectors") or []
+    return bool(extra.get("secondary_tiers")) or any(map(_secondary_tiers, nested))
+
+
 def measure(engine_core) -> None:
     """Measure the engine part in the workers (``worker_identity``) and
-    record it for this engine's pool tiers; only when a pool tier is
+    record it for this engine's pool tiers; only when secondary tiers are
     configured.  Runs on the engine's thread between steps: at start-up,
     after each prefix-cache reset (where vLLM expects new weights to take
     effect) and after each RPC to the workers (through which weights are
     changed in place)."""
     import time
 
-    from vllm_overlay.configured import pool_tier_features
     from vllm_overlay.integration.v0_32.worker_identity import worker_identity
 
     transfer = engine_core.vllm_config.kv_transfer_config
-    if not pool_tier_features(transfer):
+    if not _secondary_tiers(transfer):
         return
     start = time.monotonic()
     results = engine_core.model_executor.collective_rpc(worker_identity)
