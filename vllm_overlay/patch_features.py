@@ -125,6 +125,14 @@ def refusal(config) -> PatchNotApplied | None:
             import_target(state.patch.module)
     for state in states:
         what = used[state.patch.feature]
+        unit = REGISTRY.unit(state.patch.id)
+        if what and state.status == "skipped" and unit:
+            return PatchNotApplied(
+                f"vllm-overlay: {state.patch.feature} ({', '.join(what)}) needs "
+                f"patches {', '.join(unit)}, which work only together; "
+                f"{state.patch.id} is {state.detail}. Apply them all (leave them "
+                f"out of VLLM_OVERLAY_SKIP_PATCHES), or remove {', '.join(what)}."
+            )
         if what and state.status == "failed":
             patch = state.patch
             return PatchNotApplied(

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from vllm_overlay.core.patching import Patch, PatchRegistry
+from vllm_overlay.core.patching import Patch, PatchRegistry, unit_skips
 
 ENTRY = dict(why="w", upstream="u", removal="r")
 
@@ -157,6 +157,54 @@ def test_skipped_patch_is_recorded_and_not_applied(fake_module):
     )
     assert (state.status, state.detail) == ("skipped", "by request")
     assert fake_module.VALUE == 1
+
+
+def test_skipping_one_patch_of_a_unit_skips_the_whole_unit(fake_module):
+    """A unit (``Patch.unit``, here declared by U-1 only, as OF32-04/06
+    declare OF32-04/05/06) is skipped whole when one of its patches is; a
+    patch outside it is not; the registry answers each member's unit."""
+    unit = ("U-1", "U-2", "U-3")
+    patches = [
+        Patch(
+            id="U-1",
+            module=fake_module.__name__,
+            target="Target.order",
+            new=staticmethod(lambda: "patched"),
+            unit=unit,
+            **ENTRY,
+        ),
+        Patch(
+            id="U-2",
+            module=fake_module.__name__,
+            target="Target.method",
+            new=lambda self: "patched",
+            **ENTRY,
+        ),
+        Patch(id="U-3", module=fake_module.__name__, target="VALUE", new=9, **ENTRY),
+        Patch(
+            id="A-1", module=fake_module.__name__, target="Child.extra", new=1, **ENTRY
+        ),
+    ]
+    with_u2 = "by env with U-2 (one unit: U-1, U-2, U-3)"
+    assert unit_skips(patches, ["U-2"], "by env") == {
+        "U-2": "by env",
+        "U-1": with_u2,
+        "U-3": with_u2,
+    }
+    assert unit_skips(patches, ["U-1", "U-3"], "by env") == {
+        "U-1": "by env",
+        "U-3": "by env",
+        "U-2": "by env with U-1, U-3 (one unit: U-1, U-2, U-3)",
+    }
+    assert unit_skips(patches, ["A-1"], "by env") == {"A-1": "by env"}
+    assert unit_skips(patches, [], "by env") == {}
+    registry = PatchRegistry()
+    skips = unit_skips(patches, ["U-3"], "by env")
+    states = [registry.add(p, skip_reason=skips.get(p.id)) for p in patches]
+    assert [s.status for s in states] == ["skipped"] * 3 + ["applied"]
+    assert fake_module.Target.order() == "stock" and fake_module.VALUE == 1
+    assert [registry.unit(pid) for pid in ("U-1", "U-2", "U-3")] == [unit] * 3
+    assert registry.unit("A-1") == ()
 
 
 def test_patch_applies_when_its_module_is_first_imported(tmp_path, monkeypatch):

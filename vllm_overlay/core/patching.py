@@ -13,6 +13,12 @@ it replaces (module-level patches replace; only class attributes may be
 added).  A failure is logged as an error naming the feature, ``register()``
 reports it, and a configuration that needs the feature is refused at
 startup (``vllm_overlay.patch_features``).
+
+Some patches work only together (``Patch.unit``: OF32-04/05/06, which
+carry a failed transfer from the worker to the scheduler): one of them
+alone is worse than none.  Skipping one skips the whole unit
+(``unit_skips``), and a configuration that uses their feature is refused
+at startup (``PatchRegistry.unit``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import importlib.util
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 logger = logging.getLogger("vllm.overlay")
@@ -44,6 +50,10 @@ class Patch:
     upstream: str  # upstream PR / release that has the same change
     removal: str  # how the patch goes away
     feature: str = "cross-layer KV blocks"
+    # The ids of the patches that work only together with this one (itself
+    # included); () for a patch that works alone.  A unit may be declared
+    # by some of its patches only: it is the union of the declarations.
+    unit: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("id", "module", "target", "why", "upstream", "removal"):
@@ -165,6 +175,16 @@ class PatchRegistry:
     def state(self, patch_id: str) -> PatchState:
         return self._states[patch_id]
 
+    def unit(self, patch_id: str) -> tuple[str, ...]:
+        """The registered patches that work only together with PATCH_ID,
+        itself included, in id order (``()``: it works alone)."""
+        with self._lock:
+            found = set()
+            for state in self._states.values():
+                if patch_id in state.patch.unit:
+                    found.update(state.patch.unit)
+        return tuple(sorted(found))
+
     def original(self, patch_id: str) -> Any:
         """The upstream attribute a patch replaced (raises if none)."""
         state = self._states[patch_id]
@@ -204,6 +224,22 @@ class PatchRegistry:
                 setattr(owner, name, state.original)
             else:
                 delattr(owner, name)
+
+
+def unit_skips(patches: Iterable[Patch], skipped: Iterable[str], by: str) -> dict:
+    """Patch id -> why it is skipped: BY for each id in SKIPPED, and every
+    other patch of a unit (``Patch.unit``) that one of them is in, saying
+    which skipped id took it along."""
+    patches, skipped = list(patches), set(skipped)
+    out = {pid: by for pid in skipped}
+    for patch in patches:
+        unit = {pid for p in patches if patch.id in p.unit for pid in p.unit}
+        with_ids = sorted(unit & skipped)
+        if patch.id not in skipped and with_ids:
+            out[patch.id] = (
+                f"{by} with {', '.join(with_ids)} (one unit: {', '.join(sorted(unit))})"
+            )
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def _patches(lines: list[str], entry: str, deep: bool, outcome: str) -> int:
     merely waiting for their module are counted, not listed one by one
     with that detail."""
     from vllm_overlay import envs
-    from vllm_overlay.core.patching import REGISTRY, import_target
+    from vllm_overlay.core.patching import REGISTRY, import_target, unit_skips
     from vllm_overlay.patches import all_patches
 
     patches = all_patches(entry)
@@ -183,7 +183,9 @@ def _patches(lines: list[str], entry: str, deep: bool, outcome: str) -> int:
     )
     lines.append(f"\npatches ({how}):")
     states = {s.patch.id: s for s in REGISTRY.states()}
-    skipped = set(envs.SKIP_PATCHES.items())
+    skipped = unit_skips(
+        patches, envs.SKIP_PATCHES.items(), f"by {envs.SKIP_PATCHES.name}"
+    )
     width = max(len(p.id) for p in patches)
     waiting = 0
     for patch in patches:
@@ -192,7 +194,7 @@ def _patches(lines: list[str], entry: str, deep: bool, outcome: str) -> int:
             if outcome != "applied":
                 status, detail = "skipped", outcome
             elif patch.id in skipped:
-                status, detail = "skipped", f"by {envs.SKIP_PATCHES.name}"
+                status, detail = "skipped", skipped[patch.id]
             else:
                 status, detail = "ready", NOT_IMPORTED
         elif state is None:

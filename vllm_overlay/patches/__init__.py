@@ -13,7 +13,7 @@ import importlib
 from types import ModuleType
 
 from vllm_overlay import envs
-from vllm_overlay.core.patching import REGISTRY, Patch
+from vllm_overlay.core.patching import REGISTRY, Patch, unit_skips
 from vllm_overlay.version_gate import (
     REFUSED_HERE,
     RELEASES,
@@ -52,11 +52,13 @@ def apply_all(entry: str | None = None) -> None:
 
         install_hook()  # uncaught: printed as its one line
         raise envs.BadSetting(error)
-    skipped = set(envs.SKIP_PATCHES.items())
+    # A patch of a unit (Patch.unit) skipped: its whole unit is.
+    skipped = unit_skips(
+        patches, envs.SKIP_PATCHES.items(), f"skipped by {envs.SKIP_PATCHES.name}"
+    )
     refused = refused_patches(entry)
     for patch in patches:
-        reason = f"skipped by {envs.SKIP_PATCHES.name}" if patch.id in skipped else None
-        REGISTRY.add(patch, skip_reason=refused.get(patch.id, reason))
+        REGISTRY.add(patch, skip_reason=refused.get(patch.id, skipped.get(patch.id)))
 
 
 def refused_patches(entry: str | None = None) -> dict[str, str]:

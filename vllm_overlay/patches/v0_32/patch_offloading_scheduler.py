@@ -21,7 +21,7 @@ gets ``success=False``.
 from __future__ import annotations
 
 from vllm_overlay.core.patching import REGISTRY, Patch
-from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED
+from vllm_overlay.patches.v0_32.patch_offloading_worker import FAILED, UNIT
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 PATCH_ID = "OF32-06"
@@ -72,5 +72,6 @@ PATCHES = [
         "failure can arrive steps before the others' completions.",
         upstream="none (OffloadingWorkerMetadata reports completions only)",
         removal="Drop with OF32-04 once the worker metadata carries failures.",
+        unit=UNIT,
     ),
 ]

@@ -23,6 +23,13 @@ failed result is handled through upstream's own failure paths:
   store with ``success=False``, so the blocks are not marked stored and no
   load or secondary tier reads them.  Counts add up across workers, so a
   failure on any worker fails the job.
+
+OF32-04, OF32-05 and OF32-06 are one unit (``UNIT``): without OF32-05 a
+failed load would be reported finished and its request would run on KV
+never written; without OF32-06 the ``FAILED`` mark would reach upstream's
+count and its assert.  Skipping one (``VLLM_OVERLAY_SKIP_PATCHES``) skips
+all three, and host offloading on the CPU platform is refused at startup
+(``core.patching.unit_skips``, ``patch_features``).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
 PATCH_ID = "OF32-04"
 FAILED = 1 << 20  # added to a failed store's completion count (OF32-06)
 FAILED_LOADS = "_failed_load_req_ids"  # on OffloadingConnectorWorker
+UNIT = ("OF32-04", "OF32-05", "OF32-06")  # work only together (Patch.unit)
 
 
 def get_finished(self, finished_req_ids):
@@ -84,9 +92,12 @@ PATCHES = [
         "its request runs on KV never written. Patched, a failed load is "
         "reported as a failed receive (the scheduler recomputes or fails the "
         "request, per kv_load_failure_policy) and a failed store is "
-        "completed as not stored (OF32-06).",
+        "completed as not stored (OF32-06). OF32-04/05/06 work only "
+        "together: skipping one skips all three and refuses host offloading "
+        "on the CPU platform at startup.",
         upstream="none (worker.py: 'we currently do not support job failures')",
         removal="Drop with OF32-05 and OF32-06 once OffloadingConnectorWorker "
         "reports failed transfers itself.",
+        unit=UNIT,
     ),
 ]
