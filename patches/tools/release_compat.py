@@ -153,24 +153,26 @@ def imported_modules(files: list[pathlib.Path]) -> dict[str, dict[str, str]]:
 
 
 class Sdist:
-    """The files of a release's sdist, read from the tarball (no extraction)."""
+    """The ``vllm/`` Python files of a release's sdist, read from the
+    tarball in one pass (no extraction): a gzip stream read member by
+    member would be decompressed again from its start for each file."""
 
     def __init__(self, path: pathlib.Path) -> None:
-        self.tar = tarfile.open(path)  # noqa: SIM115 - read while the tool runs
-        names = self.tar.getnames()
-        self.prefix = names[0].split("/", 1)[0] + "/"
-        self.names = set(names)
+        self.files: dict[str, bytes] = {}
+        with tarfile.open(path) as tar:
+            for member in tar:
+                _, _, rel = member.name.partition("/")
+                if member.isfile() and rel.startswith("vllm/") and rel.endswith(".py"):
+                    self.files[rel] = tar.extractfile(member).read()
+        self.names = set(self.files)
 
     def read(self, rel: str) -> bytes | None:
-        name = self.prefix + rel
-        if name not in self.names:
-            return None
-        return self.tar.extractfile(name).read()
+        return self.files.get(rel)
 
     def module_file(self, module: str) -> str | None:
         base = module.replace(".", "/")
         for rel in (f"{base}.py", f"{base}/__init__.py"):
-            if self.prefix + rel in self.names:
+            if rel in self.names:
                 return rel
         return None
 

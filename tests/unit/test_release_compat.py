@@ -34,11 +34,13 @@ def _cached_or_fail(*versions: str) -> None:
         )
 
 
-def test_record_is_current():
-    record = json.loads(release_compat.RECORD.read_text())
-    _cached_or_fail(release_compat.REFERENCE, *record["releases"])
+@pytest.mark.parametrize("patch_set", ["v0_32", "v0_33"])
+def test_record_is_current(patch_set):
+    record = _record(patch_set)
+    _cached_or_fail(release_compat.SETS[patch_set], *record["releases"])
+    script = str(TOOLS / "release_compat.py")
     done = subprocess.run(
-        [sys.executable, str(TOOLS / "release_compat.py"), "--check", "--offline"],
+        [sys.executable, script, "--set", patch_set, "--check", "--offline"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -99,3 +101,180 @@ def test_a_missing_sdist_fails_with_the_command_that_fetches_it(tmp_path, monkey
     message = str(failed.value)
     assert f"fetch_sdist.py --version {release_compat.REFERENCE}" in message
     assert str(tmp_path) in message
+
+
+# -- issue 39, item 4: every file that decides the bytes or their identity ----------
+# The files the review found missing, per record and feature: the host
+# chunk layout, the region and the spec that build it, the compute_hash
+# files PT32-01 reads (the pool's namespace), the aggregate OF32-06 relies
+# on, the connector base and utils, the tier factory, the block hashes, and
+# CPU_ATTN's ISA choice (the pool's identity reads it).
+IDENTITY = {
+    "vllm/config/model.py",
+    "vllm/config/cache.py",
+    "vllm/config/lora.py",
+    "vllm/config/utils.py",
+}
+LAYOUT = {
+    "vllm/v1/kv_offload/cpu/gpu_worker.py",
+    "vllm/v1/kv_offload/cpu/shared_offload_region.py",
+    "vllm/v1/kv_offload/cpu/spec.py",
+    "vllm/v1/attention/backends/cpu_attn.py",
+    "vllm/v1/core/kv_cache_utils.py",
+}
+CALLERS = {
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/common.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
+    "vllm/distributed/kv_transfer/kv_connector/utils.py",
+    "vllm/v1/kv_offload/tiering/factory.py",
+}
+REQUIRED = {
+    ("v0_32", None): IDENTITY | LAYOUT | CALLERS,
+    ("v0_33", "pool_tier"): IDENTITY | LAYOUT | CALLERS,
+}
+
+
+def _record(patch_set: str) -> dict:
+    return json.loads(
+        (ROOT / "vllm_overlay" / "patches" / patch_set / "releases.json").read_text()
+    )
+
+
+@pytest.mark.parametrize(("patch_set", "feature"), sorted(REQUIRED, key=str))
+def test_each_record_lists_every_file_that_decides_the_bytes(patch_set, feature):
+    record = _record(patch_set)
+    listed = record["features"][feature] if feature else record["touched"]
+    assert sorted(REQUIRED[patch_set, feature] - set(listed)) == []
+    # every listed file says why it is there
+    assert set(record["why"]) == set(record["touched"])
+    assert all(record["why"][rel].strip() for rel in record["touched"])
+
+
+@pytest.mark.parametrize("patch_set", ["v0_32", "v0_33"])
+def test_callers_of_callers_are_derived_not_only_listed(patch_set):
+    """Files no hand list names are found from the reference sdist: the
+    offloading modules the touched ones import, and what compute_hash
+    calls; each with the file that leads to it."""
+    version = release_compat.SETS[patch_set]
+    _cached_or_fail(version)
+    reference = release_compat._sdist(version, offline=True)
+    release_compat.select(patch_set)
+    try:
+        if patch_set == "v0_33":
+            why = release_compat.feature_files(reference, patch_set, "pool_tier")
+        else:
+            why = release_compat.touched_files(reference)
+    finally:
+        release_compat.select("v0_32")
+    hand = set(release_compat.RELIED_ON)
+    for spec in release_compat.FEATURE_SOURCES.values():
+        hand |= set(spec["relied_on"])
+    derived = {
+        "vllm/distributed/kv_transfer/kv_connector/utils.py": "imported by vllm/"
+        "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
+        "vllm/config/utils.py": "defines get_hash_factors, called by vllm/config/",
+        "vllm/utils/hashing.py": "defines safe_hash, called by vllm/config/lora.py",
+        "vllm/v1/kv_offload/cpu/host_register.py": "imported by vllm/v1/kv_offload/",
+    }
+    for rel, reason in derived.items():
+        assert rel not in hand
+        assert why[rel].startswith(reason), (rel, why[rel])
+    # not "all of vllm": nothing outside the followed packages comes from
+    # the import walk, and the list stays small
+    walked = [rel for rel, reason in why.items() if "(runs with it)" in reason]
+    assert all(
+        rel.startswith(("vllm/v1/kv_offload/", "vllm/distributed/kv_transfer/"))
+        or rel == "vllm/v1/core/kv_cache_utils.py"
+        for rel in walked
+    )
+    assert len(why) < 60
+
+
+def test_check_names_what_differs():
+    """``--check`` of a stale record says what moved, per feature."""
+    committed = _record("v0_33")
+    stale = json.loads(json.dumps(committed))
+    gpu_worker = "vllm/v1/kv_offload/cpu/gpu_worker.py"
+    stale["features"]["pool_tier"].remove(gpu_worker)
+    del stale["touched"][gpu_worker]
+    manager = "vllm/v1/kv_offload/tiering/manager.py"
+    stale["touched"][manager] = "0" * 64
+    lines = release_compat.record_diff.differences(stale, committed)
+    old, new = "0" * 12, committed["touched"][manager][:12]
+    assert lines == [
+        f"feature pool_tier: + {gpu_worker} ({committed['why'][gpu_worker]})",
+        f"touched: {manager}: sha256 {old} -> {new}",
+    ]
+    assert release_compat.record_diff.differences(committed, committed) == []
+
+
+# -- the gate on a copy with one listed file changed --------------------------------
+ENTRY = {"v0_32": ("0.32.x", "0.32.0"), "v0_33": ("0.33.x", "0.33.0")}
+LISTED = [(s, rel) for s in ENTRY for rel in _record(s)["touched"]]
+
+
+@pytest.fixture(scope="module")
+def sdist_copies(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """Each set's listed files from its reference sdist, byte for byte,
+    under a ``vllm`` folder (what the gate reads of an installed vLLM)."""
+    copies = {}
+    for patch_set in ENTRY:
+        record = _record(patch_set)
+        _cached_or_fail(record["reference"])
+        reference = release_compat._sdist(record["reference"], offline=True)
+        root = tmp_path_factory.mktemp(patch_set)
+        for rel in record["touched"]:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(reference.read(rel))
+        copies[patch_set] = root / "vllm"
+    return copies
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    from vllm_overlay import version_gate
+
+    before = dict(version_gate.REFUSED_HERE)
+    yield version_gate
+    version_gate.REFUSED_HERE.clear()
+    version_gate.REFUSED_HERE.update(before)
+
+
+@pytest.mark.parametrize(
+    ("patch_set", "rel"), LISTED, ids=[f"{s}:{r}" for s, r in LISTED]
+)
+def test_a_changed_listed_file_refuses_its_feature_alone(
+    sdist_copies, gate, monkeypatch, patch_set, rel
+):
+    """The reference sdist's files pass the gate; with REL changed, the
+    gate refuses the features whose files list it (the whole set where the
+    record does not group them), naming REL, and runs the others."""
+    folder = sdist_copies[patch_set]
+    monkeypatch.setattr(gate, "installed_vllm_dir", lambda: folder)
+    entry, version = ENTRY[patch_set]
+    record = _record(patch_set)
+    path = folder.parent / rel
+    original = path.read_bytes()
+    path.write_bytes(original + b"\n# changed by a patch release\n")
+    try:
+        if "features" not in record:
+            with pytest.raises(gate.UnsupportedVLLMVersion) as refused:
+                gate.check_installed_release(entry, version)
+            assert f"these installed files differ: {rel} (in {folder})" in str(
+                refused.value
+            )
+            return
+        found = gate.check_installed_release(entry, version)
+    finally:
+        path.write_bytes(original)
+    features = record["features"]
+    expected = sorted(f for f, files in features.items() if rel in files)
+    assert sorted(gate.REFUSED_HERE) == expected
+    for feature in features:
+        if feature in expected:
+            assert f"{feature}: refused ({rel} differ)" in found
+            assert f"differ: {rel} (in {folder})" in gate.REFUSED_HERE[feature][1]
+        else:
+            assert f"{feature}: vLLM {version} (sdist)" in found
+    gate.REFUSED_HERE.clear()
+    assert "refused" not in gate.check_installed_release(entry, version)
