@@ -66,6 +66,18 @@ def test_the_record_groups_the_files_by_feature_callers_included():
         "vllm/v1/kv_offload/tiering/metrics.py",
         "vllm/v1/kv_offload/config.py",
         "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py",
+        # issue 39: the chunk layout, the namespace's hashes, callers of callers
+        "vllm/v1/kv_offload/cpu/gpu_worker.py",
+        "vllm/v1/kv_offload/cpu/shared_offload_region.py",
+        "vllm/v1/kv_offload/cpu/spec.py",
+        "vllm/config/model.py",
+        "vllm/config/cache.py",
+        "vllm/config/lora.py",
+        "vllm/config/utils.py",
+        "vllm/v1/attention/backends/cpu_attn.py",
+        "vllm/v1/core/kv_cache_utils.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/common.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
     ):
         assert caller in pool
     for caller in (
@@ -125,6 +137,50 @@ def test_a_changed_pool_tier_file_refuses_the_pool_tier_alone(
     assert set(refused_patches("0.33.x")) == {"PT32-01"}
     # Unchanged files again: both run.
     manager.write_text(manager.read_text().removesuffix("\n# changed\n"))
+    refused_here.clear()
+    assert "refused" not in version_gate.check_installed_release("0.33.x", version)
+
+
+RECORD = version_gate.release_record("v0_33")
+
+
+@pytest.fixture(scope="module")
+def installed_copy(tmp_path_factory):
+    """The installed 0.33's listed files, once for the tests below."""
+    return _copy_touched(tmp_path_factory.mktemp("vllm033"), RECORD)
+
+
+@pytest.mark.parametrize("rel", list(RECORD["touched"]))
+def test_each_listed_file_changed_refuses_the_features_listing_it(
+    installed_copy, monkeypatch, refused_here, rel
+):
+    """Every file of the record, changed in a copy of the installed 0.33:
+    the features whose files list it are refused, naming it (their patches
+    left out), the others run; unchanged again, all run."""
+    monkeypatch.setattr(version_gate, "installed_vllm_dir", lambda: installed_copy)
+    version = version_gate.installed_vllm_version()
+    path = installed_copy.parent / rel
+    original = path.read_bytes()
+    path.write_bytes(original + b"\n# changed\n")
+    try:
+        found = version_gate.check_installed_release("0.33.x", version)
+    finally:
+        path.write_bytes(original)
+    features = RECORD["features"]
+    expected = sorted(f for f, files in features.items() if rel in files)
+    assert expected
+    assert sorted(refused_here) == expected
+    for feature in features:
+        if feature in expected:
+            assert f"{feature}: refused ({rel} differ)" in found
+            assert not version_gate.feature_runs_on(feature, version)
+        else:
+            assert f"{feature}: vLLM 0.33.0 (sdist)" in found
+            assert version_gate.feature_runs_on(feature, version)
+    from vllm_overlay.patches import refused_patches, v0_33
+
+    refused_ids = {p.id for f in expected for m in v0_33.FEATURES[f] for p in m.PATCHES}
+    assert set(refused_patches("0.33.x")) == refused_ids
     refused_here.clear()
     assert "refused" not in version_gate.check_installed_release("0.33.x", version)
 
