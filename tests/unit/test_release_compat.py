@@ -278,3 +278,53 @@ def test_a_changed_listed_file_refuses_its_feature_alone(
             assert f"{feature}: vLLM {version} (sdist)" in found
     gate.REFUSED_HERE.clear()
     assert "refused" not in gate.check_installed_release(entry, version)
+
+
+class _Tree:
+    """A reader over a few files (what upstream_follow reads of an sdist)."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = {rel: text.encode() for rel, text in files.items()}
+
+    def read(self, rel):
+        return self.files.get(rel)
+
+    def module_file(self, module):
+        base = module.replace(".", "/")
+        return next(
+            (r for r in (f"{base}.py", f"{base}/__init__.py") if r in self.files), None
+        )
+
+
+def test_the_walks_leave_out_type_only_imports_and_follow_re_exports():
+    follow = release_compat.upstream_follow
+    tree = _Tree(
+        {
+            "vllm/kv/__init__.py": "from vllm.kv.real import Spec\n",
+            "vllm/kv/real.py": "from vllm.kv import helper\n",
+            "vllm/kv/helper.py": "",
+            "vllm/kv/sibling.py": "",
+            "vllm/kv/typed.py": "",
+            "vllm/kv/user.py": "from typing import TYPE_CHECKING\n"
+            "from vllm.kv import Spec\n"
+            "if TYPE_CHECKING:\n    from vllm.kv.typed import T\n"
+            "def f():\n    from vllm.other import x\n",
+            "vllm/other.py": "",
+            "vllm/cfg.py": "from vllm.hashing import digest\n"
+            "class C:\n    def compute_hash(self):\n        return digest(self._f())\n"
+            "    def _f(self):\n        from vllm.util import factors\n"
+            "        return factors(self)\n",
+            "vllm/hashing.py": "def digest(x):\n    return x\n",
+            "vllm/util.py": "def factors(c):\n    return 1\n",
+        }
+    )
+    found = follow.follow_modules(tree, ["vllm/kv/user.py"], ("vllm.kv",))
+    assert found == {
+        "vllm/kv/real.py": "imported by vllm/kv/user.py (runs with it)",
+        "vllm/kv/helper.py": "imported by vllm/kv/real.py (runs with it)",
+    }
+    found = follow.follow_functions(tree, {"vllm/cfg.py:C.compute_hash": "id"})
+    assert found == {
+        "vllm/hashing.py": "defines digest, called by vllm/cfg.py:C.compute_hash",
+        "vllm/util.py": "defines factors, called by vllm/cfg.py:C._f",
+    }
