@@ -17,7 +17,11 @@ patch of it targets (``Patch.module``, from the set's ``MODULES``) and every
 the ``vllm_overlay.core`` modules they import, transitively), and the
 upstream files whose behaviour the overlay relies on without importing them
 (``RELIED_ON``, each with why: a caller's contract, a layout to match, a
-queue read).  Those files
+queue read, an identity such as ``ModelConfig.compute_hash``; hand lists in
+``release_sources``), and what those lead to, derived from the sdist
+(``upstream_follow``): the modules of the offloading packages the touched
+ones there import, and the files defining what the identity functions
+call.  The record says why each file is there (``why``).  Those files
 of the reference release's sdist (``REFERENCE``, vLLM 0.32.0) are hashed
 (sha256) and compared byte for byte with each later release's sdist (cached
 by ``fetch_sdist.py``).  The record, ``vllm_overlay/patches/v0_32/
@@ -45,7 +49,10 @@ feature alone when its files differ.
 Releases checked: those already in the record, every cached sdist newer than
 the reference, and ``--release``.  ``--check`` rebuilds the record from the
 sdists of the releases it lists (downloaded where not cached, unless
-``--offline``) and compares it with the committed one.
+``--offline``) and compares it with the committed one, printing what
+differs (``record_diff``).  The output is a function of the overlay's
+code, the hand lists and the sdists only: files sorted, releases by
+version, builds by name.
 """
 
 from __future__ import annotations
