@@ -82,11 +82,18 @@ MODULES = {
     "vllm_overlay.core.pp_budget": "vllm.v1.core.pp_kv_budget",
     "vllm_overlay.integration.pp_kv": "vllm.v1.core.pp_kv_budget_flag",
     "vllm_overlay.integration.v0_32.pp_kv": "vllm.v1.core.pp_kv_budget_split",
+    # the KV identity a shared tier namespaces by: the config's part and the
+    # engine's (weights fingerprint, in-page layout), measured in the workers
+    "vllm_overlay.integration.v0_32.kv_identity": "vllm.v1.kv_offload.kv_identity",
+    "vllm_overlay.integration.v0_32.worker_identity": (
+        "vllm.v1.kv_offload.worker_kv_identity"
+    ),
 }
 # the overlay's name in messages and thread names -> vLLM's (after
 # generate.OVERLAY_NAMES); a name left is an error (check_upstream.IDENTITY)
 NAMES = [
     ("vllm-overlay CPU offloading", "CPU offloading"),
+    ("vllm-overlay KV identity", "KV offloading identity"),
     ('name="vllm-overlay-offload"', 'name="kv-offload-cpu"'),
     ("vllm-overlay: ", ""),
     ("(vllm-overlay) ", ""),

@@ -81,6 +81,11 @@ def test_after_a_weight_change_no_old_kv_is_loaded(updated, stock_new):
     # the new weights' values are beside them, in another namespace.
     assert r["old_values"] == VALUES and r["values"] == 2 * VALUES
     assert "the engine's weights changed" in updated.log
+    # Measured at start-up by the workers: the CPU backend's own KV write
+    # was probed (not named by its parts).
+    assert "KV identity (start-up)" in updated.log
+    assert "page layout CPU_ATTN:" in updated.log
+    assert "could not be probed" not in updated.log
 
 
 def test_the_same_new_weights_share_other_weights_do_not(updated, stock_new, pool_url):

@@ -52,7 +52,10 @@ def test_the_installed_0_33_runs_both_features_as_tested():
     from vllm_overlay.core.patching import REGISTRY
 
     states = {s.patch.id: s.status for s in REGISTRY.states()}
-    assert set(states) == {"PT32-01", "PP32-01", "PP32-02", "PP32-03", "PP33-04"}
+    assert set(states) == {
+        *("PT32-01", "KI32-01", "KI32-02", "KI32-03"),  # pool tier
+        *("PP32-01", "PP32-02", "PP32-03", "PP33-04"),  # PP budget
+    }
 
 
 def test_the_record_groups_the_files_by_feature_callers_included():
@@ -134,7 +137,13 @@ def test_a_changed_pool_tier_file_refuses_the_pool_tier_alone(
     assert configured.engine_refusal(PP_ARGS, version, on_cpu=False) is None
     from vllm_overlay.patches import refused_patches
 
-    assert set(refused_patches("0.33.x")) == {"PT32-01"}
+    # the pool tier's patches only (patch_engine_core's PP33-04 still runs)
+    assert set(refused_patches("0.33.x")) == {
+        "PT32-01",
+        "KI32-01",
+        "KI32-02",
+        "KI32-03",
+    }
     # Unchanged files again: both run.
     manager.write_text(manager.read_text().removesuffix("\n# changed\n"))
     refused_here.clear()
@@ -179,7 +188,13 @@ def test_each_listed_file_changed_refuses_the_features_listing_it(
             assert version_gate.feature_runs_on(feature, version)
     from vllm_overlay.patches import refused_patches, v0_33
 
-    refused_ids = {p.id for f in expected for m in v0_33.FEATURES[f] for p in m.PATCHES}
+    refused_ids = {
+        p.id
+        for f in expected
+        for m in v0_33.FEATURES[f]
+        for p in m.PATCHES
+        if p.id in getattr(m, "FEATURE_PATCHES", {}).get(f, (p.id,))
+    }
     assert set(refused_patches("0.33.x")) == refused_ids
     refused_here.clear()
     assert "refused" not in version_gate.check_installed_release("0.33.x", version)

@@ -72,6 +72,9 @@ def refused_patches(entry: str | None = None) -> dict[str, str]:
         if refused is None or refused[0] != version:
             continue
         for module in patch_modules:
+            # A module serving several features names each one's patches.
+            owned = getattr(module, "FEATURE_PATCHES", {}).get(feature)
             for patch in module.PATCHES:
-                out[patch.id] = f"refused: {feature}'s upstream files differ"
+                if owned is None or patch.id in owned:
+                    out[patch.id] = f"refused: {feature}'s upstream files differ"
     return out

@@ -160,7 +160,7 @@ def _secondary_tiers(transfer) -> bool:
     return bool(extra.get("secondary_tiers")) or any(map(_secondary_tiers, nested))
 
 
-def measure(engine_core) -> None:
+def measure(engine_core, vllm_config=None) -> None:
     """Measure the engine part in the workers (``worker_identity``) and
     record it for this engine's pool tiers; only when secondary tiers are
     configured.  Runs on the engine's thread between steps: at start-up,
@@ -171,7 +171,8 @@ def measure(engine_core) -> None:
 
     from vllm_overlay.integration.v0_32.worker_identity import worker_identity
 
-    transfer = engine_core.vllm_config.kv_transfer_config
+    config = vllm_config if vllm_config is not None else engine_core.vllm_config
+    transfer = config.kv_transfer_config
     if not _secondary_tiers(transfer):
         return
     start = time.monotonic()

@@ -60,7 +60,7 @@ def _initialize_kv_caches(self, vllm_config):
     from vllm_overlay.integration.v0_32.kv_identity import measure
 
     kv_cache_config = REGISTRY.original("KI32-01")(self, vllm_config)
-    measure(self)  # before the scheduler (and its pool tier) is built
+    measure(self, vllm_config)  # before the scheduler (and its pool tier) is built
     return kv_cache_config
 
 

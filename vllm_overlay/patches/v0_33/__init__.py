@@ -30,8 +30,8 @@ FEATURES = {
     "pp_prop_kv_cache": (patch_arg_utils, patch_engine_core),
 }
 
-# Each module once (patch_engine_core serves both features: a refusal of
-# either skips its patches, and the pool tier then refuses to start).
+# Each module once (patch_engine_core serves both features; its
+# FEATURE_PATCHES says which patch is whose, so a refusal skips only those).
 MODULES = tuple(
     dict.fromkeys(module for modules in FEATURES.values() for module in modules)
 )

@@ -38,6 +38,9 @@ def get_kv_cache_configs(
 # ``_initialize_kv_caches`` still returns the config the scheduler is built
 # with; ``reset_prefix_cache`` and ``collective_rpc`` have 0.32's signatures.
 KV_IDENTITY_IDS = ("KI32-01", "KI32-02", "KI32-03")
+# This module serves two features: a refused one leaves only its own out
+# (``patches.refused_patches``).
+FEATURE_PATCHES = {"pool_tier": KV_IDENTITY_IDS, "pp_prop_kv_cache": (PATCH_ID,)}
 
 PATCHES = [patch for patch in v0_32.PATCHES if patch.id in KV_IDENTITY_IDS] + [
     dataclasses.replace(
