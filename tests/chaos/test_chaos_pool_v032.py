@@ -22,11 +22,24 @@ And: the reset returns (no exception) and leaves the host tier empty; each
 injected copy failure happened (the worker gave the job up), and the
 engine went on.
 
+Three faults of issue 39 (tests/support/chaos_run_v032.py,
+chaos_identity_v032.py): a weight update under load (``weights_update``:
+one node first, then the other; each request against stock with its
+node's weights then, a node never asks for a namespace the pool held
+before its update, the two weights share nothing while they differ and
+share again after), a reset while node ``a``'s link to the pool is slow
+(``slow_reset``: the drain gives stores up; ``b`` then loads those
+prefixes' keys: misses or the right bytes, stock's tokens) and two KV
+layouts on one pool (``layouts``: a third engine, ``c``, with cross-layer
+``BLHNC`` blocks; no load across the layouts, ``c`` loads its own back;
+stock's tokens: cross-layer CPU_ATTN gives stock's tokens and logprobs,
+tests/v0_32).
+
 Runs in .venv-0.32 (``tox -e chaos_v0_32``); skipped on another vLLM.
 Seeded (``CHAOS_SEED``, default 27); ``CHAOS_KINDS=a,b``: only those fault
-kinds (to look at one).  The report and the nodes' logs are written to the
-test's tmp folder.  About 4 minutes on a busy 2-core machine, most of it
-starting three engines (the faults take about a minute).
+kinds (to look at one; without ``layouts`` the third engine is not
+started).  The report and the nodes' logs are written to the test's tmp
+folder.
 """
 
 from __future__ import annotations
@@ -43,14 +56,14 @@ if not importlib.metadata.version("vllm").startswith("0.32."):
     pytest.fail("needs vLLM 0.32: run `tox -e chaos_v0_32` (.venv-0.32)", pytrace=False)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
-from support.chaos_cluster import HERE, Cluster  # noqa: E402
+from support.chaos_cluster_v032 import Cluster032  # noqa: E402
 from support.chaos_faults import FaultInjector, schedule  # noqa: E402
+from support.chaos_identity_v032 import stock_tokens_v032  # noqa: E402
 from support.chaos_report import (  # noqa: E402
     compared_tokens,
     finish,
     problems,
     request_rows,
-    stock_tokens,
     summary,
 )
 from support.chaos_run_v032 import (  # noqa: E402
@@ -69,20 +82,20 @@ KINDS = (
     if "CHAOS_KINDS" in os.environ
     else KINDS_V032
 )
-NODE_SCRIPT = HERE / "chaos_node_v032.py"
 
 
 def test_two_032_nodes_share_a_pool_under_faults(tmp_path):
     assert set(KINDS) <= set(KINDS_V032), KINDS
     # Each kind once, shorter gaps than 0.11.2's: the run stays near 3 min.
     plan = schedule(SEED, len(KINDS), gap_s=(2.0, 4.0), kinds=KINDS)
-    with Cluster(tmp_path, kind=SERVER_KIND, script=NODE_SCRIPT) as cluster:
+    layouts = "layouts" in KINDS  # a third engine, only for that fault
+    with Cluster032(tmp_path, kind=SERVER_KIND, layouts=layouts) as cluster:
         cluster.wait_ready()
         injector = FaultInjector(cluster.server, cluster.mac_key, SEED)
         episode = Episode032(cluster, Workload(SEED), injector, seed=SEED)
         episode.run(plan)
         finals = finish(episode)
-        stock = stock_tokens(cluster.stock, [episode])
+        stock = stock_tokens_v032(cluster.stock, cluster, [episode])
         found = problems([episode], finals, stock) + problems_v032(episode)
         report = {
             "seed": SEED,

@@ -25,10 +25,25 @@ Commands of its own (each replies with its name):
   raise (``CopyFaults``); replies the attempts failed so far, the attempts
   of one job (``tries``: the worker redoes a transfer that raised) and the
   jobs the worker gave up (``gave_up``, its own count).
+* ``{"op": "weights", "tag", "seeds": [...]}``: the weights become the
+  start-up weights plus, in order, each seed's noise on the token
+  embeddings, through the model's ``load_weights`` (``LLM.apply_model``,
+  as an RL loop updates a serving engine; only the seeds not applied yet,
+  or from the start-up weights again), then
+  ``reset_prefix_cache(reset_connector=True)``; replies the tier's
+  namespace before and after.  The stock node takes it too (its reference
+  for requests of those weights).
+* ``{"op": "identity", "tag"}``: the tier's namespace and its factors.
+
+Stats add the tier's namespace (``ns``; ``ns_part``: its part of the pool's
+key names, ``ns_history``: every one it had), the key names it asked the
+pool for, counted by namespace part (``loaded_ns``), and how often a drain
+gave stores up (``drains_given_up``: ``KVPool.cancel_stores`` called).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -39,6 +54,26 @@ from chaos_node import Node, main
 TIER_MODULE = "vllm_overlay.integration.v0_32.pool_tier"
 HOST_BYTES = 64 * 2**20  # the primary tier: about 250 chunks of the tiny model
 RESET_WAIT_S = 20.0
+NOISE = 0.05  # a weight update: this times N(0, 1) added to each embedding
+
+
+def perturb(model, seed: int) -> list[str]:
+    """New token embeddings through the model's ``load_weights`` (in the
+    worker: the in-process executor runs it here)."""
+    import torch
+
+    weight = model.model.embed_tokens.weight
+    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed))
+    new = (weight.detach() + NOISE * noise).to(weight.dtype)
+    return sorted(model.load_weights([("model.embed_tokens.weight", new)]))
+
+
+def embeddings(model):
+    return model.model.embed_tokens.weight.detach().clone()
+
+
+def restore(model, base) -> list[str]:
+    return sorted(model.load_weights([("model.embed_tokens.weight", base)]))
 
 
 class CopyFaults:
@@ -139,6 +174,10 @@ class Node032(Node):
             self.copy_faults = CopyFaults(self.worker_connector.worker)
             self._count_refusals()
             self._count_loads()
+            self._count_pool()
+        self.seeds: list[int] = []  # the weight updates applied, in order
+        self._base = None  # the start-up embeddings (once updated)
+        self.ns_history: list[str] = []
 
     def _count_refusals(self) -> None:
         """Count the tier's refusals by reason (its log is rate-limited)."""
@@ -151,6 +190,44 @@ class Node032(Node):
             return _log(level, topic, msg, *args, **kw)
 
         self.tier._refusal_log.log = counted
+
+    def _count_pool(self) -> None:
+        """Count the key names the tier asks the pool for, by namespace
+        part, and the drains that gave stores up."""
+        pool = self.tier.pool
+        self.loaded_ns: dict[str, int] = {}
+        self.drains_given_up = 0
+        submit, cancel = pool.submit_load, pool.cancel_stores
+
+        def counted(job_id, names, *args, **kwargs):
+            for name in names:
+                part = name.split(b":")[1].decode()
+                self.loaded_ns[part] = self.loaded_ns.get(part, 0) + 1
+            return submit(job_id, names, *args, **kwargs)
+
+        def given_up(*args, **kwargs):
+            self.drains_given_up += 1
+            return cancel(*args, **kwargs)
+
+        pool.submit_load, pool.cancel_stores = counted, given_up
+
+    def ns_part(self) -> str:
+        """The tier's namespace as its key names carry it (keyed by the
+        shared secret): ``vkv:<this>:r0:<block>``."""
+        part = self.tier._name(bytes(32)).split(b":")[1].decode()
+        if part not in self.ns_history:
+            self.ns_history.append(part)
+        return part
+
+    def identity(self) -> dict:
+        if self.tier is None:
+            return {"seeds": self.seeds}
+        return {
+            "seeds": self.seeds,
+            "ns": self.tier.ns.hex()[:12],
+            "ns_part": self.ns_part(),
+            "factors": self.tier._identity_of(self.tier._engine.factors()),
+        }
 
     def _count_loads(self) -> None:
         """Count the host-to-KV-cache loads started for each request (a
@@ -214,6 +291,15 @@ class Node032(Node):
         if self.copy_faults is not None:
             out["copies"] = self.copy_faults.arm()
         out["pending"] = self.under_way()
+        if self.tier is not None:
+            out.update(
+                ns=self.tier.ns.hex()[:12],
+                ns_part=self.ns_part(),
+                ns_history=list(self.ns_history),
+                loaded_ns=dict(self.loaded_ns),
+                drains_given_up=self.drains_given_up,
+            )
+        out["seeds"] = self.seeds
         return out
 
     def _connector_requests(self) -> dict:
@@ -236,7 +322,46 @@ class Node032(Node):
             return self.reset(cmd.get("after"))
         if cmd["op"] == "fail_copies":
             return self.copy_faults.arm(cmd.get("store", 0), cmd.get("load", 0))
+        if cmd["op"] == "weights":
+            return self.set_weights([int(s) for s in cmd["seeds"]])
+        if cmd["op"] == "identity":
+            return self.identity()
         return super().command(cmd)
+
+    def set_weights(self, seeds: list[int]) -> dict:
+        """Between two steps, no request running (the driver quiesced the
+        node): the update, then the reset an RL loop does before it
+        resumes."""
+        before, start = self.identity(), time.monotonic()
+        if self._base is None:
+            (self._base,) = self.llm.apply_model(embeddings)
+        if seeds[: len(self.seeds)] != self.seeds:
+            self.llm.apply_model(functools.partial(restore, base=self._base))
+            self.seeds = []
+        changed = []
+        for seed in seeds[len(self.seeds) :]:
+            (changed,) = self.llm.apply_model(functools.partial(perturb, seed=seed))
+            self.seeds.append(seed)
+        if self.connector is not None:
+            ok = self.llm.reset_prefix_cache(reset_connector=True)
+        else:
+            ok = self.llm.reset_prefix_cache()
+        if not ok:
+            self.errors.append(
+                f"reset_prefix_cache after the weight update to {seeds} returned "
+                f"{ok} (a request still running?)"
+            )
+        after = self.identity()
+        return {
+            "seeds": self.seeds,
+            "changed": changed,
+            "reset": ok,
+            "took_s": round(time.monotonic() - start, 2),
+            "ns_before": before.get("ns"),
+            "ns_after": after.get("ns"),
+            "ns_part_before": before.get("ns_part"),
+            "ns_part_after": after.get("ns_part"),
+        }
 
     def reset(self, after: str | None = None) -> dict:
         """The reset, between two steps; with ``after`` (a request id, sent
@@ -253,6 +378,7 @@ class Node032(Node):
             else:
                 time.sleep(0.001)
         before, at = self.under_way(), time.monotonic()
+        given_up = self.drains_given_up
         try:
             ok = self.llm.reset_prefix_cache(reset_connector=True)
         except Exception as exc:  # noqa: BLE001 - reported, the node goes on
@@ -268,7 +394,14 @@ class Node032(Node):
                 f"reset_prefix_cache(reset_connector=True) returned {ok} but "
                 f"the host tier still holds {host} chunk(s)"
             )
-        return {"ok": ok, "before": before, "host_chunks_after": host, "at": at}
+        return {
+            "ok": ok,
+            "before": before,
+            "host_chunks_after": host,
+            "at": at,
+            "took_s": round(time.monotonic() - at, 2),
+            "drain_gave_up": self.drains_given_up - given_up,
+        }
 
 
 if __name__ == "__main__":

@@ -29,7 +29,12 @@ def finish(episode: Episode) -> dict:
 
 def stock_tokens(stock, episodes: list[Episode]) -> dict[str, dict]:
     """Every prompt the episodes sent, computed by the stock node."""
-    sent = [s for ep in episodes for s in ep.sent.values()]
+    return stock_results(stock, [s for ep in episodes for s in ep.sent.values()])
+
+
+def stock_results(stock, sent: list) -> dict[str, dict]:
+    """The requests ``sent`` (``chaos_run.Sent``), computed by the stock
+    node as it is now."""
     for s in sent:
         stock.send(
             op="submit",

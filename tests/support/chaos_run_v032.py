@@ -19,6 +19,17 @@ of the node itself:
   nothing else changes).  The worker's own count of the jobs it gave up
   shows each failure happened.
 
+* ``slow_reset``: node ``a``'s link to the pool becomes slow and healthy
+  (``SLOW_RATE``, through the cluster's proxy: each store well inside the
+  pool's deadlines, the backlog not), it computes fresh prefixes whose
+  cascades queue behind the link, and it resets
+  (``reset_prefix_cache(reset_connector=True)``) while they are slow: the
+  tier's drain gives the stores up.  Right after, ``a`` computes other
+  fresh prefixes into the host memory the reset freed, then its link is
+  fast again and node ``b`` asks for the prefixes whose stores were given
+  up: misses or the right bytes (stock's tokens), never another prompt's.
+* ``weights_update`` and ``layouts``: chaos_identity_v032.py.
+
 Each is followed, as every fault, by the check that the pool serves again
 both ways; ``problems_v032`` adds what the node faults must show.
 """
@@ -28,20 +39,93 @@ from __future__ import annotations
 import time
 
 from support.chaos_faults import KINDS
+from support.chaos_identity_v032 import (
+    IdentityFaults,
+    identity_problems,
+    layout_problems,
+    weight_problems,
+)
 from support.chaos_run import Episode
 
-NODE_FAULTS = ("reset_cache", "failed_copy")
+NODE_FAULTS = ("reset_cache", "failed_copy", "weights_update", "slow_reset", "layouts")
 WRITES_PAUSED_S = 1.5  # the reset's cascade: its stores wait this long
 KINDS_V032 = KINDS + NODE_FAULTS
+# slow_reset: 512 KiB/s: a 256 KiB chunk passes in 0.5 s (each wait for a
+# reply within timeout_s, 1 s), a request's cascade (up to 4 chunks) in 2 s
+# (node a's io_timeout_s: 5 s).  Fresh prefixes of 3 chunks are computed
+# until SLOW_JOBS cascades are under way (12 s of stores at that rate), past
+# the drain's 8 s, at most SLOW_FAMILIES of them.
+SLOW_RATE = 512 << 10
+SLOW_JOBS = 8
+SLOW_FAMILIES = 12
+SLOW_AFTER_S = 2.0  # traffic on the slow link after the reset
 
 
-class Episode032(Episode):
+class Episode032(IdentityFaults, Episode):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.versions: dict[str, tuple] = {}  # request id -> its node's weights
+        self.ends: dict[int, dict] = {}  # each pool node's stats at the end
+
     def fault(self, kind: str, duration_s: float, src: int, dst: int) -> dict:
         if kind == "reset_cache":
             return self.reset_fault(src)
         if kind == "failed_copy":
             return self.copy_fault(src, dst)
+        if kind == "weights_update":
+            return self.weights_fault(src, dst)
+        if kind == "slow_reset":
+            return self.slow_reset_fault()
+        if kind == "layouts":
+            if self.cluster.layout_node is None:
+                raise ValueError("the layouts fault needs Cluster032(layouts=True)")
+            return self.layouts_fault(src, dst)
         return super().fault(kind, duration_s, src, dst)
+
+    def run(self, schedule, tail_s: float = 5.0, min_s: float = 0.0) -> None:
+        super().run(schedule, tail_s, min_s)
+        self.ends = {j: self.stats(j) for j in range(len(self.nodes))}
+
+    def slow_reset_fault(self) -> dict:
+        """Node 0 (behind the proxy) resets while its stores crawl."""
+        slow, other, proxy = 0, 1, self.cluster.proxy
+        began = time.monotonic()
+        proxy.throttle(SLOW_RATE)
+        try:
+            families, jobs = [], 0
+            while jobs < SLOW_JOBS and len(families) < SLOW_FAMILIES:
+                families.append(self.workload.fresh_family())
+                seed = self.submit(self.workload.member(families[-1], slow, "seed"))
+                self.wait(seed)
+                jobs = self.stats(slow)["pending"].get("manager_jobs", 0)
+            reply = self.nodes[slow].request("reset", wait_s=90.0, after=seed.req.id)
+            # The freed host chunks reused at once, stores still slow.
+            for _ in range(2):
+                fresh = self.workload.fresh_family()
+                self.wait(self.submit(self.workload.member(fresh, slow, "seed")))
+            self.traffic(SLOW_AFTER_S)
+        finally:
+            proxy.free()
+        asked = [
+            (self.wait(self.submit(self.workload.member(f, other))) or {}).get(
+                "cached_tokens"
+            )
+            for f in families
+        ]
+        return {
+            "began_at": round(began - self.t0, 1),
+            "node": self.nodes[slow].name,
+            "rate_kib_s": SLOW_RATE >> 10,
+            "reset": reply.get("ok"),
+            "error": reply.get("error"),
+            "reset_took_s": reply.get("took_s"),
+            "drain_gave_up": reply.get("drain_gave_up"),
+            "jobs_at_reset": jobs,
+            "under_way": reply.get("before"),
+            "host_chunks_after": reply.get("host_chunks_after"),
+            "other_cached_tokens": asked,
+            "throttled_kib": proxy.throttled_bytes >> 10,
+        }
 
     def reset_fault(self, node: int) -> dict:
         """Writes paused on the server (a cascade stays under way, its
@@ -119,8 +203,25 @@ class Episode032(Episode):
 def problems_v032(episode: Episode032) -> list[str]:
     """What the node faults must show (chaos_report.problems: the rest)."""
     out = []
+    if episode.ends:
+        out += weight_problems(episode.cluster, episode.ends)
+        out += layout_problems(episode.cluster, episode.ends)
     for fault in episode.faults:
         where = f"fault {fault['kind']} at {fault['began_at']} s"
+        out += identity_problems(fault, episode.recovery_s)
+        if fault["kind"] == "slow_reset":
+            if fault["error"] or not fault["reset"]:
+                out.append(
+                    f"{where}: reset_prefix_cache(reset_connector=True) on node "
+                    f"{fault['node']} returned {fault['reset']}, raised "
+                    f"{fault['error']} (under way before: {fault['under_way']})"
+                )
+            if not fault["drain_gave_up"]:
+                out.append(
+                    f"{where}: the drain did not give a store up (reset took "
+                    f"{fault['reset_took_s']} s, under way before: "
+                    f"{fault['under_way']}): the fault was not injected"
+                )
         if fault["kind"] == "reset_cache" and "manager_jobs" not in (
             fault["under_way"] or {}
         ):
