@@ -114,7 +114,7 @@ else
   # harnesses (each test starts its own servers on free ports, in its own
   # temp folders).
   lane A -e v0_32,v0_33,chaos_v0_32,chaos
-  lane B -e lint,unit,kernels,e2e,eval,patches
+  lane B -e lint,unit,kernels,e2e,eval,patches,v0_32_b
   end_lanes
 fi
 

@@ -15,16 +15,18 @@ same new weights.
   KV and generates other tokens (the issue's run; checked).
 * Engine B starts with the same new weights: it loads A's new values from
   the pool, stock's tokens and logprobs (stock's from its own device
-  prefix cache).  Engine C has other new weights: it loads nothing.
+  prefix cache).  (Other weights loading nothing is A after its update:
+  the old weights' values are in the pool, and it loads none of them.)
 """
 
 from __future__ import annotations
 
 import pytest
 from conftest import run
-from test_offloading_cpu import field
 
 from vllm_overlay.testing.redis import redis_server
+
+pytestmark = pytest.mark.lane_b  # tox -e v0_32_b (tox.ini)
 
 VALUES = 4  # the prompts' distinct full blocks (one chunk each)
 HITS = [0, 0, 128, 256, 512]  # stock's device hits, one prompt at a time
@@ -88,7 +90,9 @@ def test_after_a_weight_change_no_old_kv_is_loaded(updated, stock_new):
     assert "could not be probed" not in updated.log
 
 
-def test_the_same_new_weights_share_other_weights_do_not(updated, stock_new, pool_url):
+def test_an_engine_with_the_same_new_weights_loads_from_the_pool(
+    updated, stock_new, pool_url
+):
     assert updated.result["values"] == 2 * VALUES
     same = run(
         "run_weights.py",
@@ -102,15 +106,6 @@ def test_the_same_new_weights_share_other_weights_do_not(updated, stock_new, poo
     assert tokens(same, "single") == tokens(stock_new, "single")
     assert logprobs(same, "single") == logprobs(stock_new, "single")
 
-    other = run(
-        "run_weights.py", {"pool_url": pool_url, "change_at": "start", "seed": 2}
-    )
-    assert other.result["loads_after"] == 0
-    assert tokens(other, "new") != tokens(stock_new, "new")
-
 
 def field_of(r, name: str, key: str) -> list:
     return [x[key] for x in r.result[name]]
-
-
-__all__ = ["field"]

@@ -24,6 +24,7 @@ def test_the_0_32_patch_set_is_registered(result):
     waiting = ("CL32-01", "MLA32-01", "OF32-01", "OF32-02", "OF32-03", "PT32-01")
     waiting += ("OF32-04", "OF32-05", "OF32-06")  # failed copies
     applied = ("EC32-01", "EC32-02", "PP32-01", "PP32-02", "PP32-03", "PP32-04")
+    applied += ("KI32-01", "KI32-02", "KI32-03")  # the pool's KV identity
     assert result["patches"] == {
         **dict.fromkeys(waiting, "pending"),
         **dict.fromkeys(applied, "applied"),
