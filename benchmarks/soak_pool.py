@@ -16,9 +16,14 @@ threads.
 
 On the vLLM this interpreter runs: 0.11.2 (nodes with the overlay's
 ``SharedKVPoolConnector``) or 0.32 (``.venv-0.32``: nodes with upstream's
-``OffloadingConnector``, host memory and the pool tier; chaos_node_v032.py).
-``--kinds``: the fault kinds (default the server and value faults, on
-either release; on 0.32 also ``reset_cache``, ``failed_copy``).
+``OffloadingConnector``, host memory and the pool tier; chaos_node_v032.py,
+chaos_cluster_v032.py: node ``a``'s pool link through a proxy, and with
+``layouts`` a third engine with cross-layer blocks).  ``--kinds``: the
+fault kinds (default the server and value faults, on either release; on
+0.32 also ``reset_cache``, ``failed_copy``, ``weights_update``,
+``slow_reset``, ``layouts``: tests/support/chaos_run_v032.py).  After a
+``weights_update`` every request is compared with stock running its node's
+weights at the time.
 
     python benchmarks/soak_pool.py --minutes 5 [--repeats 3] [--seed 19]
         [--json out.json] [--logs DIR] [--kinds sigstop,kill,...]
@@ -37,7 +42,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support.chaos_cluster import HERE, NODE_SCRIPT, Cluster  # noqa: E402
+from support.chaos_cluster import NODE_SCRIPT, Cluster  # noqa: E402
 from support.chaos_faults import KINDS, FaultInjector, schedule  # noqa: E402
 from support.chaos_report import (  # noqa: E402
     equals_stock,
@@ -53,6 +58,8 @@ BACKGROUND = ("family", "unrelated")
 FAULT_EVERY_S = 12.0  # about one fault per this many seconds of a faulty window
 V032 = importlib.metadata.version("vllm").startswith("0.32.")
 if V032:
+    from support.chaos_cluster_v032 import Cluster032  # noqa: E402
+    from support.chaos_identity_v032 import stock_tokens_v032  # noqa: E402
     from support.chaos_run_v032 import (  # noqa: E402
         KINDS_V032,
         Episode032,
@@ -112,13 +119,12 @@ def main() -> None:
     unknown = set(kinds) - set(KINDS_V032 if V032 else KINDS)
     if unknown:
         ap.error(f"unknown fault kinds on this vLLM: {sorted(unknown)}")
-    script = HERE / "chaos_node_v032.py" if V032 else NODE_SCRIPT
     seconds = args.minutes * 60 / (2 * args.repeats)
     windows = []
     wall = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="soak-pool-") as tmp,
-        Cluster(pathlib.Path(args.logs or tmp), script=script) as cluster,
+        cluster_for(pathlib.Path(args.logs or tmp), kinds) as cluster,
     ):
         cluster.wait_ready()
         injector = FaultInjector(cluster.server, cluster.mac_key, args.seed)
@@ -136,10 +142,15 @@ def main() -> None:
                 )
         episodes = [w["episode"] for w in windows]
         finals = finish(episodes[0])
-        stock = stock_tokens(cluster.stock, episodes)
-        found = problems(episodes, finals, stock)
         if V032:
-            found += [p for ep in episodes for p in problems_v032(ep)]
+            stock = stock_tokens_v032(cluster.stock, cluster, episodes)
+        else:
+            stock = stock_tokens(cluster.stock, episodes)
+        found = problems(episodes, finals, stock)
+        if V032:  # (each window checks the run so far: once each)
+            found += list(
+                dict.fromkeys(p for ep in episodes for p in problems_v032(ep))
+            )
     wall = time.monotonic() - wall
     figures = {
         k: summarize([w for w in windows if w["faulty"] is k], stock)
@@ -150,7 +161,8 @@ def main() -> None:
         for f in w["episode"].faults:
             faults[f["kind"]] += 1
     print()
-    print(render(figures, faults, args, wall))
+    during, updated = node_fault_figures(windows, stock) if V032 else ({}, None)
+    print(render(figures, faults, args, wall, during, updated))
     print(f"\nproblems: {len(found)}")
     for p in found:
         print(" -", p.splitlines()[0])
@@ -161,6 +173,8 @@ def main() -> None:
                     "args": vars(args),
                     "figures": {str(k): v for k, v in figures.items()},
                     "faults": faults,
+                    "during": during,
+                    "updated_weights": updated,
                     "problems": found,
                     "finals": finals,
                     "resumed_after_s": [
@@ -173,6 +187,40 @@ def main() -> None:
                 default=str,
             )
         )
+
+
+def node_fault_figures(windows: list[dict], stock: dict):
+    """(requests sent during each 0.32 node fault kind, != stock) and, by
+    window kind, (requests on updated weights, != stock)."""
+    during: dict[str, list[int]] = {}
+    updated = {False: [0, 0], True: [0, 0]}
+    for w in windows:
+        ep = w["episode"]
+        for f in ep.faults:
+            if f["kind"] in ("weights_update", "slow_reset", "layouts"):
+                row = during.setdefault(f["kind"], [0, 0])
+                for req_id in f["requests"]:
+                    row[0] += 1
+                    row[1] += _wrong(ep.sent[req_id], stock)
+        for req_id, sent in ep.sent.items():
+            if ep.versions.get(req_id):
+                updated[w["faulty"]][0] += 1
+                updated[w["faulty"]][1] += _wrong(sent, stock)
+    return {k: tuple(v) for k, v in during.items()}, {
+        k: tuple(v) for k, v in updated.items()
+    }
+
+
+def _wrong(sent, stock: dict) -> int:
+    return int(
+        sent.result is not None and not equals_stock(sent.result, stock[sent.req.id])
+    )
+
+
+def cluster_for(workdir: pathlib.Path, kinds):
+    if V032:  # a third engine only for the layouts fault
+        return Cluster032(workdir, layouts="layouts" in kinds)
+    return Cluster(workdir, script=NODE_SCRIPT)
 
 
 def summarize(windows: list[dict], stock: dict) -> dict:
@@ -199,7 +247,13 @@ def summarize(windows: list[dict], stock: dict) -> dict:
     }
 
 
-def render(figures: dict, faults: dict, args, wall: float) -> str:
+def render(
+    figures: dict, faults: dict, args, wall: float, during=None, updated=None
+) -> str:
+    """The table; ``during``: kind -> (requests sent during those faults,
+    how many != stock); ``updated``: faulty -> (requests after a weight
+    update of their node, how many != stock)."""
+    during = during or {}
     free, faulty = figures[False], figures[True]
     rows = [("", "fault-free", "with faults")]
     rows.append(
@@ -231,6 +285,16 @@ def render(figures: dict, faults: dict, args, wall: float) -> str:
         )
     for kind, n in faults.items():
         rows.append((f"faults injected: {kind}", "0", str(n)))
+    for kind, (n, wrong) in during.items():
+        rows.append((f"sent during {kind}: tokens != stock", "-", f"{wrong} of {n}"))
+    if updated is not None:
+        rows.append(
+            (
+                "with updated weights: tokens != stock",
+                f"{updated[False][1]} of {updated[False][0]}",
+                f"{updated[True][1]} of {updated[True][0]}",
+            )
+        )
     for k in ERROR_COUNTERS:
         rows.append(
             (f"pool counter: {k}", str(free["errors"][k]), str(faulty["errors"][k]))

@@ -68,6 +68,13 @@ class Episode032(IdentityFaults, Episode):
         self.ends: dict[int, dict] = {}  # each pool node's stats at the end
 
     def fault(self, kind: str, duration_s: float, src: int, dst: int) -> dict:
+        """The fault, and the requests sent while it ran (``requests``)."""
+        before = len(self.sent)
+        out = self._fault(kind, duration_s, src, dst)
+        out["requests"] = list(self.sent)[before:]
+        return out
+
+    def _fault(self, kind: str, duration_s: float, src: int, dst: int) -> dict:
         if kind == "reset_cache":
             return self.reset_fault(src)
         if kind == "failed_copy":
