@@ -3,9 +3,10 @@ fingerprint of the weights and the in-page layout of the attention
 backend (``kv_identity`` says why both are in the pool's namespace).
 
 * ``weights_digest``: every parameter and buffer of the model, by name,
-  dtype, shape and bytes.  Host tensors are hashed in place (BLAKE2b; the
-  hash releases the GIL); device tensors are reduced on the device to two
-  64-bit sums (``device_digest``), so no weights are copied off the GPU.
+  dtype, shape and bytes.  Host tensors are hashed in place (BLAKE2b,
+  several at a time: the hash releases the GIL); device tensors are
+  reduced on the device to two 64-bit sums (``device_digest``), so no
+  weights are copied off the GPU.
 * ``page_layout``: each attention layer kind's own KV-cache write
   (``impl.do_kv_cache_update``) is run on probe tokens into a scratch
   cache of two blocks, and the bytes it wrote are hashed.  Two hosts whose
@@ -19,8 +20,10 @@ backend (``kv_identity`` says why both are in the pool's namespace).
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
+import os
 
 import torch
 
@@ -54,19 +57,27 @@ def _host_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())
 
 
+def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    if tensor.device.type == "meta":
+        return b"meta"
+    if tensor.device.type == "cpu":
+        return hashlib.blake2b(_host_bytes(tensor), digest_size=16).digest()
+    return device_digest(tensor)
+
+
 def weights_digest(model: torch.nn.Module) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    """Each tensor hashed on its own, several at a time (BLAKE2b releases
+    the GIL), then the names, dtypes, shapes and digests in name order."""
     named = dict(model.named_parameters())
     named.update(model.named_buffers())
-    for name in sorted(named):
+    names = sorted(named)
+    threads = min(8, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(threads, "kv-identity") as pool:
+        digests = list(pool.map(_tensor_digest, (named[n] for n in names)))
+    h = hashlib.blake2b(digest_size=16)
+    for name, digest in zip(names, digests):
         tensor = named[name]
-        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        if tensor.device.type == "meta":
-            h.update(b"meta")
-        elif tensor.device.type == "cpu":
-            h.update(_host_bytes(tensor))
-        else:
-            h.update(device_digest(tensor))
+        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode() + digest)
     return h.hexdigest()
 
 
