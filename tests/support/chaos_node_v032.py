@@ -379,6 +379,9 @@ class Node032(Node):
                 time.sleep(0.001)
         before, at = self.under_way(), time.monotonic()
         given_up = self.drains_given_up
+        primary = manager.primary_tier
+        # Host chunks handed out since the last reset (reused from 0 after it).
+        used = getattr(primary, "_num_allocated_chunks", None)
         try:
             ok = self.llm.reset_prefix_cache(reset_connector=True)
         except Exception as exc:  # noqa: BLE001 - reported, the node goes on
@@ -387,7 +390,6 @@ class Node032(Node):
                 f"before: {before}):\n{traceback.format_exc()[-3000:]}"
             )
             return {"ok": None, "error": repr(exc), "before": before, "at": at}
-        primary = self.connector.connector_scheduler.manager.primary_tier
         host = getattr(primary, "_num_allocated_chunks", None)
         if host:
             self.errors.append(
@@ -398,6 +400,7 @@ class Node032(Node):
             "ok": ok,
             "before": before,
             "host_chunks_after": host,
+            "host_chunks_before": used,
             "at": at,
             "took_s": round(time.monotonic() - at, 2),
             "drain_gave_up": self.drains_given_up - given_up,

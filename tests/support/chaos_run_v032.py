@@ -19,15 +19,19 @@ of the node itself:
   nothing else changes).  The worker's own count of the jobs it gave up
   shows each failure happened.
 
-* ``slow_reset``: node ``a``'s link to the pool becomes slow and healthy
+* ``slow_reset``: node ``a`` resets (its host tier then hands chunks out
+  from the first again), its link to the pool becomes slow and healthy
   (``SLOW_RATE``, through the cluster's proxy: each store well inside the
   pool's deadlines, the backlog not), it computes fresh prefixes whose
   cascades queue behind the link, and it resets
   (``reset_prefix_cache(reset_connector=True)``) while they are slow: the
-  tier's drain gives the stores up.  Right after, ``a`` computes other
-  fresh prefixes into the host memory the reset freed, then its link is
-  fast again and node ``b`` asks for the prefixes whose stores were given
-  up: misses or the right bytes (stock's tokens), never another prompt's.
+  tier's drain gives the stores up.  Right after, ``a`` computes at once
+  as many fresh prefixes as rewrite every host chunk those stores read
+  (upstream reuses them from the first), then its link is fast again and
+  node ``b`` asks for the prefixes whose stores were given up: misses or
+  the right bytes (stock's tokens), never another prompt's.  (With the
+  drain's stop of given-up stores undone, ``KVPool.cancel_stores`` a
+  no-op, b loaded other prompts' KV under those keys: checked.)
 * ``weights_update`` and ``layouts``: chaos_identity_v032.py.
 
 Each is followed, as every fault, by the check that the pool serves again
@@ -59,6 +63,7 @@ SLOW_RATE = 512 << 10
 SLOW_JOBS = 8
 SLOW_FAMILIES = 12
 SLOW_AFTER_S = 2.0  # traffic on the slow link after the reset
+REUSE_MAX = 16  # fresh prefixes (3 chunks each) that rewrite the host chunks
 
 
 class Episode032(IdentityFaults, Episode):
@@ -97,6 +102,7 @@ class Episode032(IdentityFaults, Episode):
         """Node 0 (behind the proxy) resets while its stores crawl."""
         slow, other, proxy = 0, 1, self.cluster.proxy
         began = time.monotonic()
+        first = self.nodes[slow].request("reset", wait_s=90.0)
         proxy.throttle(SLOW_RATE)
         try:
             families, jobs = [], 0
@@ -106,10 +112,17 @@ class Episode032(IdentityFaults, Episode):
                 self.wait(seed)
                 jobs = self.stats(slow)["pending"].get("manager_jobs", 0)
             reply = self.nodes[slow].request("reset", wait_s=90.0, after=seed.req.id)
-            # The freed host chunks reused at once, stores still slow.
-            for _ in range(2):
-                fresh = self.workload.fresh_family()
-                self.wait(self.submit(self.workload.member(fresh, slow, "seed")))
+            # Every host chunk the given-up stores read, rewritten at once
+            # (upstream hands them out from the first again), the link slow.
+            used = reply.get("host_chunks_before") or 0
+            reuse = [
+                self.submit(
+                    self.workload.member(self.workload.fresh_family(), slow, "seed")
+                )
+                for _ in range(min(REUSE_MAX, used // 3 + 1))
+            ]
+            for sent in reuse:
+                self.wait(sent)
             self.traffic(SLOW_AFTER_S)
         finally:
             proxy.free()
@@ -124,7 +137,9 @@ class Episode032(IdentityFaults, Episode):
             "node": self.nodes[slow].name,
             "rate_kib_s": SLOW_RATE >> 10,
             "reset": reply.get("ok"),
-            "error": reply.get("error"),
+            "error": reply.get("error") or first.get("error"),
+            "host_chunks_at_reset": reply.get("host_chunks_before"),
+            "reuse_prefixes": len(reuse),
             "reset_took_s": reply.get("took_s"),
             "drain_gave_up": reply.get("drain_gave_up"),
             "jobs_at_reset": jobs,
