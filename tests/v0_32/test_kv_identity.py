@@ -137,3 +137,48 @@ def test_a_changed_measurement_rekeys_the_engines_tiers_only():
 )
 def test_measured_only_with_secondary_tiers(transfer, measured):
     assert kv_identity._secondary_tiers(transfer) is measured
+
+
+def test_a_measurement_that_fails_after_start_up_isolates_the_engine():
+    """Weights that cannot be named after an RPC: the engine's tiers move to
+    a namespace of their own (shared with no node), logged; at start-up
+    the failure is the engine's start-up error."""
+    import types
+
+    answers = [[{"weights": "w1", "pages": ["p"]}], RuntimeError("worker died")]
+
+    def collective_rpc(fn):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    transfer = types.SimpleNamespace(
+        kv_connector_extra_config={"secondary_tiers": [{}]}, engine_id="engine-f"
+    )
+    core = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(kv_transfer_config=transfer),
+        model_executor=types.SimpleNamespace(collective_rpc=collective_rpc),
+    )
+    kv_identity.measure(core)
+    identity = kv_identity.engine("engine-f")
+    tier = Tier()
+    identity.subscribe(tier)
+    weights = identity.weights
+    kv_identity.measure(core)
+    assert identity.weights.startswith("unmeasured-") and identity.weights != weights
+    assert tier.keys == [[f"weights={identity.weights}", f"pages={identity.pages}"]]
+
+    fresh = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(
+            kv_transfer_config=types.SimpleNamespace(
+                kv_connector_extra_config={"secondary_tiers": [{}]},
+                engine_id="engine-g",
+            )
+        ),
+        model_executor=types.SimpleNamespace(
+            collective_rpc=lambda fn: (_ for _ in ()).throw(RuntimeError("no"))
+        ),
+    )
+    with pytest.raises(RuntimeError, match="no"):
+        kv_identity.measure(fresh)

@@ -20,7 +20,9 @@ part, measured in the workers, kept per engine.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import os
 import threading
 import weakref
 
@@ -93,7 +95,8 @@ def config_factors(vllm_config) -> list[str]:
 class EngineIdentity:
     """One engine's measured part: its workers' weights and page layouts.
     The engine core sets it; pool tiers of that engine read it and are
-    told when it changes (on the engine's thread, in ``reset``)."""
+    told when it changes (on the engine's thread, after a reset or an RPC
+    to the workers: ``measure``)."""
 
     def __init__(self) -> None:
         self.weights: str | None = None
@@ -136,8 +139,6 @@ def engine(engine_id: str) -> EngineIdentity:
 
 def combine(results: list[dict]) -> tuple[str, str]:
     """The workers' answers (rank order) as the engine's two factors."""
-    import hashlib
-
     weights = hashlib.blake2b(digest_size=16)
     pages = set()
     for result in results:
@@ -176,10 +177,22 @@ def measure(engine_core, vllm_config=None) -> None:
     if not _secondary_tiers(transfer):
         return
     start = time.monotonic()
-    results = engine_core.model_executor.collective_rpc(worker_identity)
-    weights, pages = combine(results)
     identity = engine(transfer.engine_id)
     first = identity.weights is None
+    try:
+        results = engine_core.model_executor.collective_rpc(worker_identity)
+    except Exception:
+        if first:
+            raise  # a start-up error: the tier cannot know what it holds
+        # The weights may have changed and cannot be named: a namespace of
+        # this engine's own from now on, shared with no node.
+        logger.exception(
+            "vllm-overlay KV identity: measuring the workers failed; the pool "
+            "tier moves to a namespace no other node shares"
+        )
+        identity.update("unmeasured-" + os.urandom(8).hex(), identity.pages)
+        return
+    weights, pages = combine(results)
     changed = identity.update(weights, pages)
     if first or changed:
         logger.info(
