@@ -62,6 +62,7 @@ if V032:
     from support.chaos_identity_v032 import stock_tokens_v032  # noqa: E402
     from support.chaos_run_v032 import (  # noqa: E402
         KINDS_V032,
+        NODE_FAULTS,
         Episode032,
         problems_v032,
     )
@@ -181,6 +182,18 @@ def main() -> None:
                         (f["kind"], f["resumed_after_s"])
                         for w in windows
                         for f in w["episode"].faults
+                    ],
+                    # What each 0.32 node fault did (its probes and threads
+                    # left out).
+                    "node_faults": [
+                        {
+                            k: v
+                            for k, v in f.items()
+                            if k not in ("threads", "probes", "requests")
+                        }
+                        for w in windows
+                        for f in w["episode"].faults
+                        if V032 and f["kind"] in NODE_FAULTS
                     ],
                 },
                 indent=1,

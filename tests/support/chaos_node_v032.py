@@ -50,30 +50,11 @@ import time
 import traceback
 
 from chaos_node import Node, main
+from chaos_weights_v032 import embeddings, perturb, restore
 
 TIER_MODULE = "vllm_overlay.integration.v0_32.pool_tier"
 HOST_BYTES = 64 * 2**20  # the primary tier: about 250 chunks of the tiny model
 RESET_WAIT_S = 20.0
-NOISE = 0.05  # a weight update: this times N(0, 1) added to each embedding
-
-
-def perturb(model, seed: int) -> list[str]:
-    """New token embeddings through the model's ``load_weights`` (in the
-    worker: the in-process executor runs it here)."""
-    import torch
-
-    weight = model.model.embed_tokens.weight
-    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed))
-    new = (weight.detach() + NOISE * noise).to(weight.dtype)
-    return sorted(model.load_weights([("model.embed_tokens.weight", new)]))
-
-
-def embeddings(model):
-    return model.model.embed_tokens.weight.detach().clone()
-
-
-def restore(model, base) -> list[str]:
-    return sorted(model.load_weights([("model.embed_tokens.weight", base)]))
 
 
 class CopyFaults:
