@@ -39,8 +39,9 @@ Runs in .venv-0.32 (``tox -e chaos_v0_32``); skipped on another vLLM.
 Seeded (``CHAOS_SEED``, default 27); ``CHAOS_KINDS=a,b``: only those fault
 kinds (to look at one; without ``layouts`` the third engine is not
 started).  The report and the nodes' logs are written to the test's tmp
-folder.  About 4 minutes on a busy 2-core machine (225 s measured with
-every kind: four engines start, the faults take about 90 s).
+folder.  Two to four minutes on the 2-core machine with every kind (four
+engines start, the faults take about 90 s): 130 s in ``tox -e
+chaos_v0_32``, 225 s run alone by pytest (no spawn shim) on a busier one.
 """
 
 from __future__ import annotations

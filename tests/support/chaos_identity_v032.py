@@ -40,7 +40,7 @@ from support.chaos_report import stock_results
 from support.chaos_workload import BLOCK_TOKENS
 
 SPLIT_S = 3.0  # traffic while only src has the new weights
-FIRST_SEED = 3900  # the updates' noise seeds: FIRST_SEED, +1, ...
+FIRST_SEED = 3900  # an update's noise seed: this plus the node updates before it
 
 
 class IdentityFaults:
