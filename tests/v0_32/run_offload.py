@@ -29,6 +29,8 @@ every attempt of its first N load jobs raises.  ``"load_failure_policy"``
 sets ``kv_load_failure_policy`` (default: unset, upstream's ``"fail"``).
 The result counts the failed attempts (``failed_loads``) and the worker's
 redone attempts and given-up jobs (``retries``, ``failed``).
+``"engine_id"``: the KV transfer config's engine id (it names the host
+tier's shared-memory file).
 ``"fault_phases": true``: after the passes, in the same engine, two more
 phases (``lost_load`` and ``lost_stores``: see ``lost_load`` and
 ``lost_stores`` below).
@@ -221,6 +223,8 @@ def main(config: dict) -> dict:
         if config.get("fail_load_jobs"):
             faults = faults or Faults()
             faults.armed["load"] += config["fail_load_jobs"] * faults.tries
+        if "engine_id" in config:  # names the host tier's shared-memory file
+            policy["engine_id"] = config["engine_id"]
         kv = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",

@@ -33,6 +33,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from support.redis_server import RedisServer  # noqa: E402
 
+from vllm_overlay.integration.v0_32 import kv_identity  # noqa: E402
 from vllm_overlay.integration.v0_32.pool_tier import SharedPoolTier  # noqa: E402
 from vllm_overlay.testing.redis import KINDS  # noqa: E402
 
@@ -219,6 +220,16 @@ def test_a_hung_server_holds_no_call_and_lookups_become_misses(server):
 def test_without_the_model_config_identity_it_refuses(server):
     with pytest.raises(ValueError, match="does not name the model config"):
         Node(server.url, identity=())
+    # The engine's part (KI32-01, measured) does not stand in for PT32-01's.
+    engine = kv_identity.engine("e")
+    engine.update("w", "p")
+    try:
+        with pytest.raises(ValueError, match="does not name the model config"):
+            Node(server.url, identity=())
+        with pytest.raises(ValueError, match="does not name the model config"):
+            Node(server.url, identity=("weights=w", "pages=p"))
+    finally:
+        engine.weights = engine.pages = None
 
 
 @pytest.mark.parametrize(

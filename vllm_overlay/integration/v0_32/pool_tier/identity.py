@@ -47,8 +47,11 @@ def tier_factors(
     primary chunk (the tier's ``block_size_bytes``); ``engine``: the
     engine's measured part (``kv_identity.EngineIdentity.factors``), when
     the offloading config does not carry it."""
-    identity = with_engine(config.extra_config.get(KV_IDENTITY) or [], engine)
-    if not identity:
+    given = config.extra_config.get(KV_IDENTITY) or []
+    identity = with_engine(given, engine)
+    # The configuration's part is PT32-01's alone (the engine's part does
+    # not stand in for it).
+    if not [f for f in given if not f.startswith((WEIGHTS, PAGES))]:
         raise ValueError(
             "SharedPoolTier: the offloading config does not name the model "
             f"config its KV comes from (extra_config[{KV_IDENTITY!r}], set by "
