@@ -113,8 +113,8 @@ else
   # without spinning against each other; the suites share nothing but the
   # harnesses (each test starts its own servers on free ports, in its own
   # temp folders).
-  lane A -e v0_32,v0_33,chaos_v0_32,chaos
-  lane B -e lint,unit,kernels,e2e,eval,patches,v0_32_b
+  lane A -e v0_32,v0_33,chaos_v0_32,chaos,v0_32_b
+  lane B -e lint,unit,kernels,e2e,eval,patches
   end_lanes
 fi
 

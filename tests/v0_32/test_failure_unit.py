@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from conftest import run_cases
 
-pytestmark = pytest.mark.lane_b  # tox -e v0_32_b (tox.ini)
+pytestmark = pytest.mark.v0_32_b  # tox -e v0_32_b (tox.ini)
 
 UNIT = ("OF32-04", "OF32-05", "OF32-06")
 SKIPS = {"none": "", **{pid: pid for pid in UNIT}, "all": ",".join(UNIT)}

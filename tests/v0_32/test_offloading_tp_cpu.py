@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 from conftest import run
 
-pytestmark = pytest.mark.lane_b  # tox -e v0_32_b (tox.ini)
+pytestmark = pytest.mark.v0_32_b  # tox -e v0_32_b (tox.ini)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from conftest import run
 
 from vllm_overlay.testing.redis import redis_server
 
-pytestmark = pytest.mark.lane_b  # tox -e v0_32_b (tox.ini)
+pytestmark = pytest.mark.v0_32_b  # tox -e v0_32_b (tox.ini)
 
 VALUES = 4  # the prompts' distinct full blocks (one chunk each)
 HITS = [0, 0, 128, 256, 512]  # stock's device hits, one prompt at a time
